@@ -1,0 +1,226 @@
+"""The `litft` command: thin wrappers over the library. Every failure prints one message and exits with the code of
+its kind (DESIGN.md): 2 config/usage, 3 non-finite loss, 4 out of memory, 5 data, 6 checkpoint/IO, 1 internal."""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+import sys
+from pathlib import Path
+
+from litft.errors import ConfigError, LitftError
+
+USAGE = """usage: litft <command> [options]
+
+commands:
+  ls [--model M] [--method full|lora|qlora]   the shipped recipes
+  show NAME|PATH [--resolved]                 a recipe's YAML (with its comments), or the resolved config
+  cp NAME DEST [--force]                      copy a shipped recipe to edit it
+  validate NAME|PATH [--key value ...]        check a recipe and overrides without running it
+  finetune --config NAME|PATH [--key value ...] [--overwrite]
+                                              run a recipe; overrides are dotted keys: --train.micro_batch_size 8
+  env                                         versions, GPUs and what litft can use on this machine
+
+`litft finetune --help` lists every recipe key with its meaning.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        import litft
+
+        print(f"litft {litft.__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    handler = COMMANDS.get(command)
+    if handler is None:
+        close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        print(f"litft: unknown command '{command}'.{hint}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return handler(rest) or 0
+    except LitftError as err:
+        print(f"litft {command}: {err.kind}: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"litft {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _take_flag(args: list[str], flag: str) -> bool:
+    if flag in args:
+        args.remove(flag)
+        return True
+    return False
+
+
+def _take_option(args: list[str], option: str) -> str | None:
+    """Remove `--option value` or `--option=value` from args and return the value."""
+    for i, token in enumerate(args):
+        if token == option:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{option} needs a value")
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+        if token.startswith(option + "="):
+            del args[i]
+            return token.split("=", 1)[1]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def cmd_finetune(args: list[str]) -> int:
+    from litft import strategy
+    from litft.recipe import build_parser, load_recipe
+
+    if "-h" in args or "--help" in args:
+        build_parser().print_help()
+        return 0
+    overwrite = _take_flag(args, "--overwrite")
+    print_config = _take_flag(args, "--print_config")
+    config = _take_option(args, "--config")
+    if config is None:
+        raise ConfigError("finetune needs --config NAME|PATH (a shipped recipe name, or a YAML file); `litft ls`")
+    if print_config:
+        from litft.recipe import recipe_to_yaml
+
+        print(recipe_to_yaml(load_recipe(config, args=args, validate_paths=False)), end="")
+        return 0
+    recipe = load_recipe(config, args=args)
+    strategy.LAUNCHED_FROM_CLI = True
+    from litft.finetune import finetune
+
+    result = finetune(recipe, overwrite=overwrite)
+    return 0 if result.status == "ok" else 1
+
+
+def cmd_validate(args: list[str]) -> int:
+    from litft.recipe import load_recipe, resolve_path, validate
+
+    if not args or args[0].startswith("--"):
+        raise ConfigError("validate needs a recipe: litft validate NAME|PATH [--key value ...]")
+    source, overrides = args[0], args[1:]
+    strict_files = _take_flag(overrides, "--check-files")
+    recipe = load_recipe(source, args=overrides, validate_paths=False)
+    file_problems = [p for p in validate(recipe, check_paths=True) if p not in validate(recipe, check_paths=False)]
+    print(f"valid: {source}")
+    print(f"  {recipe.method} on {recipe.model.name or resolve_path(recipe.model.checkpoint_dir)}, init {recipe.init},"
+          f" precision {recipe.precision}, {recipe.devices} device(s), strategy {recipe.strategy}")
+    print(f"  {recipe.batch_arithmetic()}")
+    for problem in file_problems:
+        print(f"  note: {problem}")
+    if strict_files and file_problems:
+        raise ConfigError(file_problems, source=source)
+    return 0
+
+
+def cmd_ls(args: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from litft.recipe import load_recipe, recipe_names
+
+    model_filter = _take_option(args, "--model")
+    method_filter = _take_option(args, "--method")
+    if args:
+        raise ConfigError(f"ls: unexpected arguments {' '.join(args)} (filters: --model M, --method full|lora|qlora)")
+    table = Table(title="litft recipes (litft show NAME for details)", title_justify="left")
+    for column in ("name", "model", "method", "precision", "optimizer", "micro x accum x devices", "seq", "about"):
+        table.add_column(column)
+    for name in recipe_names():
+        recipe = load_recipe(name, validate_paths=False)
+        model = recipe.model.name or str(recipe.model.checkpoint_dir)
+        if model_filter and model_filter.lower().replace("-", "_") not in model.lower().replace("-", "_"):
+            continue
+        if method_filter and recipe.method != method_filter:
+            continue
+        method = recipe.method + (f" ({recipe.quantize})" if recipe.quantize else "")
+        table.add_row(
+            name, model, method, recipe.precision, recipe.optimizer.class_path.rpartition(".")[2],
+            f"{recipe.train.micro_batch_size} x {recipe.grad_accum} x {recipe.devices}",
+            str(recipe.data.max_seq_length), _recipe_summary(name),
+        )
+    Console(width=200 if not sys.stdout.isatty() else None).print(table)
+    return 0
+
+
+def _recipe_summary(name: str) -> str:
+    """The recipe's one-line teaching point: its header line starting with '# About:'."""
+    from litft.recipe import find_recipe
+
+    for line in find_recipe(name).read_text(encoding="utf-8").splitlines():
+        if line.startswith("# About:"):
+            return line[len("# About:") :].strip()
+    return ""
+
+
+def cmd_show(args: list[str]) -> int:
+    from litft.recipe import find_recipe, load_recipe, recipe_to_yaml
+
+    resolved = _take_flag(args, "--resolved")
+    if len(args) != 1:
+        raise ConfigError("show needs one recipe: litft show NAME|PATH [--resolved]")
+    if resolved:
+        print(recipe_to_yaml(load_recipe(args[0], validate_paths=False)), end="")
+    else:
+        print(find_recipe(args[0]).read_text(encoding="utf-8"), end="")
+    return 0
+
+
+def cmd_cp(args: list[str]) -> int:
+    from litft.recipe import find_recipe
+
+    force = _take_flag(args, "--force")
+    if len(args) != 2:
+        raise ConfigError("cp needs a recipe and a destination: litft cp NAME ./mine.yaml [--force]")
+    source = find_recipe(args[0])
+    dest = Path(args[1])
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not force:
+        raise ConfigError(f"'{dest}' exists; pass --force to replace it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, dest)
+    print(f"copied {source.name} -> {dest}; run it with: litft finetune --config {dest}")
+    return 0
+
+
+def cmd_env(args: list[str]) -> int:
+    import torch
+
+    from litft.metrics import GIB, environment
+
+    env = environment()
+    for key, value in env.items():
+        print(f"{key:>14}: {value}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"{'gpu ' + str(i):>14}: {p.name}, {p.total_memory / GIB:.1f} GiB, {p.multi_processor_count} SMs,"
+                  f" bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+        if torch.distributed.is_nccl_available():
+            print(f"{'nccl':>14}: {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    else:
+        print(f"{'note':>14}: no CUDA GPU: litft runs on the CPU (32-true, bf16-*), qlora needs a GPU")
+    return 0
+
+
+COMMANDS = {
+    "finetune": cmd_finetune,
+    "validate": cmd_validate,
+    "ls": cmd_ls,
+    "show": cmd_show,
+    "cp": cmd_cp,
+    "env": cmd_env,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,481 @@
+"""The fine-tuning loop, readable top to bottom: finetune() -> main() -> fit().
+
+finetune() checks the recipe and builds Fabric; main() runs on every rank: data first (bad data fails before a
+model loads), then model, optimizer and loaders, then fit(), then the final evaluation, weights and result.json.
+fit() is the explicit loop: gather one optimizer step's micro-batches, forward/backward each, check the loss is
+finite, clip, step, log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from litft import metrics
+from litft.errors import ConfigError, DataError, LitftError, NonFiniteLossError, OutOfMemoryError
+from litft.model import (
+    apply_activation_checkpointing,
+    build_model,
+    causal_lm_loss,
+    count_parameters,
+    merge_lora_checkpoint,
+    model_config,
+    trainable_state_dict,
+    write_checkpoint_files,
+)
+from litft.progress import Progress, print_summary
+from litft.recipe import Recipe, config_hash, recipe_to_dict, recipe_to_yaml, resolve_path, validate
+from litft.strategy import build_fabric
+
+
+@dataclass
+class RunResult:
+    """What a run produced: its figures (the content of result.json) and where its files are."""
+
+    out_dir: Path
+    result: dict
+
+    @property
+    def status(self) -> str:
+        return self.result["status"]
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        return self.result["throughput"]["tokens_per_sec"]
+
+    @property
+    def val_loss(self) -> float | None:
+        return self.result["losses"]["val_final"]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.result[key]
+
+
+def finetune(recipe: Recipe, overwrite: bool = False) -> RunResult:
+    """Run a recipe. Raises a LitftError subclass (with its exit code) on bad input or a failed run."""
+    problems = validate(recipe)
+    if problems:
+        raise ConfigError(problems)
+    out_dir = resolve_path(recipe.out_dir)
+    check_out_dir(out_dir, overwrite)
+    fabric = build_fabric(recipe)
+    return fabric.launch(main, recipe)
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run into another run's out_dir (its metrics and weights would be interleaved)."""
+    if out_dir.is_dir() and any((out_dir / name).exists() for name in ("result.json", "metrics.jsonl", "config.yaml")):
+        if not overwrite:
+            raise ConfigError(
+                f"out_dir: '{out_dir}' already holds a run (config.yaml/metrics.jsonl/result.json); choose another"
+                " out_dir, or pass --overwrite to replace it"
+            )
+
+
+class Phases:
+    """Wall time of each phase (load, setup, train, eval, save), in seconds."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def main(fabric, recipe: Recipe) -> RunResult:
+    from litgpt.tokenizer import Tokenizer
+
+    from litft.data import EpochBatchSampler, build_dataloader, prepare_data
+
+    phases = Phases()
+    out_dir = resolve_path(recipe.out_dir)
+    is_main = fabric.global_rank == 0
+
+    # ---- data: read, split and tokenize once, before any model is loaded ----
+    with phases("load"):
+        tokenizer = Tokenizer(resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir))
+        data = prepare_data(recipe.data, tokenizer, seed=recipe.seed)
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "result.json"):  # --overwrite: start the files afresh
+            (out_dir / name).unlink(missing_ok=True)
+        (out_dir / "config.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
+    progress_lines: list[str] = []
+
+    def say(message: str) -> None:
+        progress_lines.append(message)
+        fabric.print(message)
+
+    say(f"litft: {recipe.method} fine-tune, {recipe.init} weights, precision {recipe.precision}, out_dir {out_dir}")
+    say(
+        f"data: {data.stats['train']['samples']:,} train / {data.stats['val']['samples']:,} val samples,"
+        f" {data.stats['train']['truncated']} truncated to {recipe.data.max_seq_length} tokens,"
+        f" {data.stats['train']['dropped']} dropped (no response tokens left)"
+    )
+    say(f"batch: {recipe.batch_arithmetic()}")
+
+    # ---- model, optimizer, loaders ----
+    with phases("setup"):
+        config = model_config(recipe)
+        fabric.seed_everything(recipe.seed)  # same seed on every rank: identical random init and LoRA A
+        model = build_model(fabric, recipe, config)
+        counts = count_parameters(model)
+        say(
+            f"model: {config.name}, {counts.total:,} parameters, {counts.trainable:,} trainable"
+            f" ({100 * counts.trainable / counts.total:.2f}%)"
+        )
+        if recipe.train.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
+
+        train_sampler = EpochBatchSampler(
+            len(data.train), recipe.train.micro_batch_size, shuffle=True, seed=recipe.seed,
+            rank=fabric.global_rank, world_size=fabric.world_size, drop_last=True,
+        )
+        val_sampler = EpochBatchSampler(
+            len(data.val), recipe.train.micro_batch_size, shuffle=False, seed=recipe.seed,
+            rank=fabric.global_rank, world_size=fabric.world_size, drop_last=False,
+        )
+        train_loader = build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers)
+        val_loader = build_dataloader(data.val, val_sampler, data.pad_id, recipe.data.num_workers)
+        total_steps = planned_steps(recipe, len(train_sampler))
+        scheduler = build_scheduler(recipe, optimizer, total_steps)
+
+    device_name = torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else "cpu"
+    flop_model = metrics.FlopModel(
+        counts.matmul_trainable, counts.matmul_frozen, config.n_layer, config.n_head * config.head_size
+    )
+    throughput = metrics.Throughput(
+        world_size=fabric.world_size,
+        skip_steps=recipe.logging.skip_steps,
+        peak_flops_per_device=metrics.peak_flops(device_name, metrics.compute_dtype(recipe.precision))
+        if fabric.device.type == "cuda" else None,
+    )
+    writer = metrics.MetricsWriter(out_dir, recipe.logging.tensorboard) if is_main else None
+    progress = Progress(recipe.logging.progress, total_steps, enabled=is_main)
+
+    status = "failed"
+    losses: dict[str, float | None] = {"train_first": None, "train_last": None, "val_initial": None, "val_final": None}
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0}
+    clock = metrics.StepClock(fabric.device)
+    try:
+        if recipe.eval.initial:
+            with phases("eval"):
+                losses["val_initial"] = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
+            progress.print(f"val loss before training: {losses['val_initial']:.4f}")
+        with phases("train"):
+            fit(
+                fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader,
+                total_steps, flop_model, throughput, clock, writer, progress, losses, state, phases,
+            )
+        if recipe.eval.final:
+            with phases("eval"):
+                losses["val_final"] = evaluate(fabric, model, val_loader, None)
+            progress.print(f"val loss after training: {losses['val_final']:.4f}")
+        with phases("save"):
+            save_final(fabric, recipe, config, model, out_dir)
+        status = "ok"
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(recipe, fabric, err) from None
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
+        clock.resolve()
+        result = build_result(
+            recipe, fabric, status, config, counts, data, state, losses, throughput.summary(clock.durations), phases,
+            out_dir, len(train_sampler),
+        )
+        if is_main:
+            write_json_atomic(out_dir / "result.json", result)
+    if is_main and recipe.logging.progress != "none":
+        print_summary(result)
+    return RunResult(out_dir=out_dir, result=result)
+
+
+def fit(
+    fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader, total_steps, flop_model,
+    throughput, clock, writer, progress, losses, state, phases,
+) -> None:
+    """The loop: one iteration per optimizer step, `grad_accum` micro-batches each."""
+    accum = recipe.grad_accum
+    batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state)
+    while state["step"] < total_steps:
+        step = state["step"] + 1
+        step_batches = [next(batches) for _ in range(accum)]
+        # Normalise by the step's loss tokens over all ranks, so each loss token weighs the same however the global
+        # batch is split into micro-batches and devices. DDP averages gradients over ranks, hence the x world_size.
+        loss_tokens = torch.tensor(sum(b["loss_tokens"] for b in step_batches), device=fabric.device)
+        loss_tokens = fabric.all_reduce(loss_tokens, reduce_op="sum") if fabric.world_size > 1 else loss_tokens
+        denominator = loss_tokens.clamp(min=1).float() / fabric.world_size
+
+        clock.start()
+        loss_sum = torch.zeros((), device=fabric.device)
+        for i, batch in enumerate(step_batches):
+            input_ids = batch["input_ids"].to(fabric.device, non_blocking=True)
+            labels = batch["labels"].to(fabric.device, non_blocking=True)
+            with fabric.no_backward_sync(model, enabled=i < accum - 1):
+                logits = model(input_ids)
+                micro_loss = causal_lm_loss(logits, labels)
+                fabric.backward(micro_loss / denominator)
+            loss_sum += micro_loss.detach()
+
+        grad_norm = None
+        if recipe.train.max_grad_norm is not None:
+            grad_norm = fabric.clip_gradients(model, optimizer, max_norm=recipe.train.max_grad_norm)
+        # One host-device sync per step: the loss (and grad norm) must be finite BEFORE the weights change.
+        step_loss = (loss_sum / denominator / fabric.world_size).float()
+        if fabric.world_size > 1:
+            step_loss = fabric.all_reduce(step_loss, reduce_op="sum")
+        check = torch.stack([step_loss, grad_norm.float() if grad_norm is not None else step_loss])
+        loss_value, norm_value = check.tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            what = "loss" if not math.isfinite(loss_value) else "gradient norm"
+            raise NonFiniteLossError(
+                f"the {what} is {loss_value if what == 'loss' else norm_value} at step {step} (rank"
+                f" {fabric.global_rank}); stopped before the optimizer step, so the weights are those of step"
+                f" {step - 1}. Try a lower optimizer.init_args.lr (now {recipe.optimizer.init_args.get('lr')}),"
+                " train.max_grad_norm, or precision bf16-mixed/32-true"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        clock.stop(step)
+        state["step"] = step
+
+        throughput.add(
+            metrics.StepRecord(
+                step=step,
+                tokens_real=sum(b["tokens_real"] for b in step_batches),
+                tokens_padded=sum(b["tokens_padded"] for b in step_batches),
+                samples=sum(b["samples"] for b in step_batches),
+                loss_tokens=sum(b["loss_tokens"] for b in step_batches),
+                flops=sum(flop_model.batch_flops(b["lengths"]) for b in step_batches),
+            )
+        )
+        if losses["train_first"] is None:
+            losses["train_first"] = loss_value
+        losses["train_last"] = loss_value
+
+        val_loss = None
+        if recipe.eval.interval and step % recipe.eval.interval == 0 and step < total_steps:
+            with phases("eval"):
+                val_loss = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
+            progress.print(f"step {step}: val loss {val_loss:.4f}")
+
+        if step % recipe.logging.interval == 0 or step == total_steps or val_loss is not None:
+            clock.resolve()
+            recent = throughput.summary({s: clock.durations[s] for s in clock.durations if s > step - 10})
+            mem = metrics.memory_stats(fabric.device)
+            row = {
+                "step": step,
+                "epoch": state["epoch"] + state["batch_in_epoch"] / max(1, len(train_sampler)),
+                "loss": loss_value,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": norm_value if grad_norm is not None else None,
+                "step_time_s": clock.durations[step],
+                "tokens_per_sec": recent["tokens_per_sec"],
+                "tokens_real": throughput.records[-1].tokens_real * fabric.world_size,
+                "peak_allocated_gib": mem["peak_allocated_gib"],
+                "peak_reserved_gib": mem["peak_reserved_gib"],
+                "mfu": recent["mfu"],
+            }
+            if val_loss is not None:
+                row["val_loss"] = val_loss
+            if writer is not None:
+                writer.write(row)
+            progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
+
+
+def micro_batches(loader, sampler, epochs: int, state: dict):
+    """Micro-batches across epochs, with `state` tracking the epoch and the position in it (what a resume needs)."""
+    while state["epoch"] < epochs:
+        sampler.set_epoch(state["epoch"])
+        state["batch_in_epoch"] = 0
+        for batch in loader:
+            state["batch_in_epoch"] += 1
+            state["micro_batches"] += 1
+            yield batch
+        state["epoch"] += 1
+    raise DataError("the training data ran out before the planned number of steps (this is a bug in litft)")
+
+
+def planned_steps(recipe: Recipe, batches_per_epoch: int) -> int:
+    """Optimizer steps of the run: all epochs' micro-batches in steps of grad_accum, capped by max_steps."""
+    steps = recipe.train.epochs * batches_per_epoch // recipe.grad_accum
+    if steps < 1:
+        raise ConfigError(
+            f"train.global_batch_size: one optimizer step needs {recipe.train.global_batch_size} samples, but the"
+            f" training set gives each of {recipe.world_size} device(s) only {batches_per_epoch} micro-batch(es) of"
+            f" {recipe.train.micro_batch_size} per epoch; lower global_batch_size or use more data"
+        )
+    if recipe.train.max_steps is not None:
+        steps = min(steps, recipe.train.max_steps)
+    return steps
+
+
+def build_optimizer(recipe: Recipe, model) -> torch.optim.Optimizer:
+    import importlib
+
+    module_name, _, class_name = recipe.optimizer.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(recipe.optimizer.init_args)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return cls(params, **kwargs)
+
+
+def build_scheduler(recipe: Recipe, optimizer, total_steps: int):
+    """Linear warm-up over warmup_steps (capped at the run's length), then cosine/linear decay or constant."""
+    t = recipe.train
+    warmup = min(t.warmup_steps, total_steps)
+
+    def factor(done: int) -> float:  # `done` optimizer steps completed; the next step uses this factor
+        if done < warmup:
+            return (done + 1) / warmup
+        if t.lr_schedule == "constant" or total_steps <= warmup:
+            return 1.0
+        progress = (done - warmup) / max(1, total_steps - warmup)
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def evaluate(fabric, model, loader, max_batches: int | None) -> float:
+    """Mean loss per loss token over the validation set (all ranks)."""
+    model.eval()
+    total = torch.zeros(2, device=fabric.device)  # (loss sum, loss tokens)
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        logits = model(batch["input_ids"].to(fabric.device))
+        total[0] += causal_lm_loss(logits, batch["labels"].to(fabric.device))
+        total[1] += batch["loss_tokens"]
+    if fabric.world_size > 1:
+        total = fabric.all_reduce(total, reduce_op="sum")
+    model.train()
+    loss_sum, tokens = total.tolist()
+    return loss_sum / max(tokens, 1)
+
+
+def save_final(fabric, recipe: Recipe, config, model, out_dir: Path) -> None:
+    """out_dir/final: lit_model.pth (full) or lit_model.pth.lora (adapter), with the files LitGPT's tools need."""
+    final = out_dir / "final"
+    is_lora = recipe.method in ("lora", "qlora")
+    state = trainable_state_dict(model) if is_lora else model.state_dict()
+    if fabric.global_rank == 0:
+        write_checkpoint_files(recipe, config, final)
+        name = "lit_model.pth.lora" if is_lora else "lit_model.pth"
+        save_atomic(state, final / name)
+        if is_lora and recipe.merge:
+            base = resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth" if recipe.init == "pretrained" else None
+            if base is None:
+                fabric.print("merge: skipped, a random-init run has no base checkpoint on disk to merge into")
+            else:
+                merged = final / "merged"
+                write_checkpoint_files(recipe, config, merged)
+                merge_lora_checkpoint(base, final / name, config, merged / "lit_model.pth")
+    fabric.barrier()
+
+
+def save_atomic(state: dict, path: Path) -> None:
+    """Write to a temporary file, fsync, then rename: the file on disk is whole or absent."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def build_result(
+    recipe, fabric, status, config, counts, data, state, losses, throughput, phases, out_dir, batches_per_epoch
+) -> dict:
+    mem = metrics.memory_stats(fabric.device)
+    if fabric.world_size > 1 and fabric.device.type == "cuda":
+        # max over ranks: the rank that ran out first decides whether the run fits
+        peaks = torch.tensor([mem["peak_allocated_gib"], mem["peak_reserved_gib"]], device=fabric.device)
+        peaks = fabric.all_reduce(peaks, reduce_op="max")
+        mem["peak_allocated_gib"], mem["peak_reserved_gib"] = peaks.tolist()
+    mem["host_peak_rss_gib"] = metrics.host_peak_rss_gib()
+    return {
+        "status": status,
+        "out_dir": str(out_dir),
+        "config_hash": config_hash(recipe),
+        "recipe": recipe_to_dict(recipe),
+        "model": {"name": config.name, "n_layer": config.n_layer, "n_embd": config.n_embd},
+        "parameters": {
+            "total": counts.total, "trainable": counts.trainable, "frozen": counts.frozen,
+            "matmul_trainable": counts.matmul_trainable, "matmul_frozen": counts.matmul_frozen,
+        },
+        "batch": {
+            "micro_batch_size": recipe.train.micro_batch_size,
+            "grad_accum": recipe.grad_accum,
+            "devices": fabric.world_size,
+            "global_batch_size": recipe.train.global_batch_size,
+            "max_seq_length": recipe.data.max_seq_length,
+            "arithmetic": recipe.batch_arithmetic(),
+        },
+        "data": data.stats,
+        "steps": state["step"],
+        "epochs_completed": state["micro_batches"] / max(1, batches_per_epoch),
+        "losses": losses,
+        "throughput": throughput,
+        "memory": mem,
+        "phases_s": phases.seconds,
+        "device": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else "cpu",
+        "environment": metrics.environment(),
+        "definitions": metrics.DEFINITIONS,
+        "files": {
+            "config": "config.yaml",
+            "metrics": "metrics.jsonl",
+            "tensorboard": "tensorboard/" if recipe.logging.tensorboard else None,
+            "weights": "final/lit_model.pth.lora" if recipe.method in ("lora", "qlora") else "final/lit_model.pth",
+        },
+    }
+
+
+def out_of_memory(recipe: Recipe, fabric, err: Exception) -> OutOfMemoryError:
+    mem = metrics.memory_stats(fabric.device)
+    t = recipe.train
+    hints = [f"train.micro_batch_size {max(1, t.micro_batch_size // 2)} (keeps global_batch_size by accumulating)"]
+    if not t.activation_checkpointing:
+        hints.append("train.activation_checkpointing true")
+    if recipe.precision.endswith("-mixed"):
+        hints.append("precision bf16-true (no fp32 master weights)")
+    if recipe.method == "full":
+        hints.append("method lora, or an 8-bit optimizer (bitsandbytes.optim.AdamW8bit)")
+    elif recipe.method == "lora":
+        hints.append("method qlora")
+    hints.append(f"data.max_seq_length {recipe.data.max_seq_length // 2}")
+    return OutOfMemoryError(
+        f"out of GPU memory on rank {fabric.global_rank} with micro_batch_size {t.micro_batch_size}, max_seq_length"
+        f" {recipe.data.max_seq_length}, precision {recipe.precision}, method {recipe.method}; peak allocated"
+        f" {mem['peak_allocated_gib']:.2f} GiB of {mem['device_total_gib']:.1f} GiB. Try: " + "; ".join(hints)
+        + ". `litft estimate` predicts the memory of each choice."
+    )
+
+
+__all__ = ["finetune", "RunResult", "main", "fit", "LitftError"]

@@ -1,0 +1,303 @@
+"""The figures a run reports, defined once (they are also written into every result.json as `definitions`).
+
+- tokens_real: non-padding input positions the model trained on; tokens_padded: all positions, padding included.
+- tok/s = tokens_real / steady-state train time. Steady state leaves out the first `logging.skip_steps` optimizer
+  steps (compilation, allocator warm-up) and everything between steps (evaluation, checkpointing, logging).
+  Reported per device and in total; padding-inclusive tok/s is reported beside it, labelled as such.
+- MFU = model FLOP/s / peak dense FLOP/s of the device at the run's compute dtype (PEAK_FLOPS below).
+  Model FLOPs per token of a sample of length T: 6 N_trainable + 4 N_frozen + 12 L d T, where N counts matmul
+  weights (the input embedding is a lookup and is left out), 6 = forward 2 + input-gradient 2 + weight-gradient 2,
+  frozen weights need no weight-gradient (4), and 12 L d T is attention's QK^T and AV (2 x 2 T d per layer
+  forward, x3 with backward). Recomputation for activation checkpointing is not counted.
+- Memory in GiB (2^30 bytes): torch's peak allocated and peak reserved on each rank (max over ranks), and the
+  device-level used memory (all processes, as nvidia-smi shows it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 2**30
+
+DEFINITIONS = {
+    "tokens_real": "non-padding input positions trained on (all ranks)",
+    "tokens_padded": "all input positions incl. padding (all ranks)",
+    "tokens_per_sec": "tokens_real / steady-state train time, all devices together",
+    "tokens_per_sec_per_device": "tokens_per_sec / devices",
+    "padded_tokens_per_sec": "tokens_padded / steady-state train time (padding counted; not the headline figure)",
+    "steady_state": "optimizer steps after the first logging.skip_steps; eval, checkpointing and logging excluded",
+    "mfu": "model FLOP/s / (devices x peak dense FLOP/s at the compute dtype); "
+    "FLOPs/token = 6 N_trainable + 4 N_frozen + 12 L d T (N = matmul weights, T = sample length)",
+    "memory": "GiB = 2^30 bytes; torch peak allocated / reserved, max over ranks; device_used = total - free",
+}
+
+# Peak dense (no sparsity) FLOP/s per device, by a substring of torch.cuda.get_device_name() and compute dtype.
+# "tf32" is what 32-true runs at when torch.backends.cuda.matmul.allow_tf32 is on (litft turns it on on GPUs).
+# Sources: NVIDIA datasheets; H100 SXM 989.4e12 bf16 as in lightning.fabric.utilities.throughput and torchtitan.
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("h100 nvl", {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("h100 pcie", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("h100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM (H100 80GB HBM3)
+    ("h200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("a100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("v100", {"fp16": 125e12, "fp32": 15.7e12}),
+    ("l4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+]
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype the matmuls run in under a Fabric precision string."""
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of one device, or None when the device is not in the table (MFU is then not reported)."""
+    name = device_name.lower()
+    for key, table in PEAK_FLOPS:
+        if key in name:
+            return table.get(dtype)
+    return None
+
+
+@dataclass
+class FlopModel:
+    """FLOPs of one training token, by the rule in the module docstring."""
+
+    matmul_trainable: int
+    matmul_frozen: int
+    n_layer: int
+    attn_width: int  # d in 12 L d T: n_head x head_size
+
+    def batch_flops(self, sample_lengths: list[int]) -> float:
+        """Model FLOPs of a micro-batch whose samples have these real lengths (padding does no useful work)."""
+        per_token = 6 * self.matmul_trainable + 4 * self.matmul_frozen
+        tokens = sum(sample_lengths)
+        attention = sum(12 * self.n_layer * self.attn_width * t * t for t in sample_lengths)
+        return float(per_token * tokens + attention)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Timing without host-device synchronisation in the hot loop
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class StepClock:
+    """Times optimizer steps. On CUDA it records events (no synchronisation); the durations are read later, when
+    the loop logs. On the CPU it reads the host clock. Time between stop() and the next start() is not counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._open: Any = None
+        self._pending: list[tuple[int, Any, Any]] = []  # (step, start, end) not yet read
+        self.durations: dict[int, float] = {}  # step -> seconds
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._open = self._mark()
+
+    def stop(self, step: int) -> None:
+        self._pending.append((step, self._open, self._mark()))
+        self._open = None
+
+    def resolve(self) -> None:
+        """Read every finished step's duration (waits for the last recorded event on CUDA)."""
+        for step, start, end in self._pending:
+            if self.cuda:
+                end.synchronize()
+                self.durations[step] = start.elapsed_time(end) / 1000.0
+            else:
+                self.durations[step] = end - start
+        self._pending.clear()
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step processed (summed over its micro-batches on this rank)."""
+
+    step: int
+    tokens_real: int
+    tokens_padded: int
+    samples: int
+    loss_tokens: int
+    flops: float
+
+
+@dataclass
+class Throughput:
+    """Accumulates step records; `summary()` gives the steady-state figures."""
+
+    world_size: int
+    skip_steps: int
+    peak_flops_per_device: float | None
+    records: list[StepRecord] = field(default_factory=list)
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def summary(self, durations: dict[int, float]) -> dict[str, Any]:
+        timed = [r for r in self.records if r.step in durations]
+        steady = [r for r in timed if r.step > self.skip_steps]
+        is_steady = bool(steady)
+        if not steady:  # a very short run: report what there is, and say so
+            steady = timed
+        seconds = sum(durations[r.step] for r in steady)
+        w = self.world_size
+        # Each rank saw its own share; ranks run in lockstep, so totals are the per-rank sums x world size.
+        real = sum(r.tokens_real for r in steady) * w
+        padded = sum(r.tokens_padded for r in steady) * w
+        samples = sum(r.samples for r in steady) * w
+        flops = sum(r.flops for r in steady) * w
+        out: dict[str, Any] = {
+            "steady_state": is_steady,
+            "steps_measured": len(steady),
+            "steps_skipped": len(timed) - len(steady),
+            "train_time_s": seconds,
+            "tokens_real": sum(r.tokens_real for r in self.records) * w,
+            "tokens_padded": sum(r.tokens_padded for r in self.records) * w,
+            "loss_tokens": sum(r.loss_tokens for r in self.records) * w,
+            "padding_fraction": 1 - real / padded if padded else 0.0,
+            "tokens_per_sec": real / seconds if seconds else None,
+            "tokens_per_sec_per_device": real / seconds / w if seconds else None,
+            "padded_tokens_per_sec": padded / seconds if seconds else None,
+            "samples_per_sec": samples / seconds if seconds else None,
+            "median_step_time_s": statistics.median(durations[r.step] for r in steady) if steady else None,
+            "model_flops_per_sec": flops / seconds if seconds else None,
+            "mfu": None,
+        }
+        if seconds and self.peak_flops_per_device:
+            out["mfu"] = flops / seconds / (w * self.peak_flops_per_device)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def memory_stats(device: torch.device) -> dict[str, float | None]:
+    """Peak allocated/reserved (torch, this process) and device used memory (all processes), in GiB."""
+    if device.type != "cuda":
+        return {"peak_allocated_gib": None, "peak_reserved_gib": None, "device_used_gib": None, "device_total_gib": None}
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        "device_used_gib": (total - free) / GIB,
+        "device_total_gib": total / GIB,
+    }
+
+
+def host_peak_rss_gib() -> float:
+    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class MetricsWriter:
+    """One JSON object per logged step in out_dir/metrics.jsonl, and the same scalars in TensorBoard."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _json_number(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = row["step"]
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware a figure depends on (stamped into result.json)."""
+    import platform
+
+    import lightning
+    import litgpt
+
+    import litft
+
+    env: dict[str, Any] = {
+        "litft": litft.__version__,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "litgpt": getattr(litgpt, "__version__", None) or _dist_version("litgpt"),
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": __import__("os").cpu_count(),
+        "gpu": None,
+        "gpu_count": 0,
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["driver"] = _nvidia_driver()
+    try:
+        env["bitsandbytes"] = _dist_version("bitsandbytes")
+    except Exception:
+        env["bitsandbytes"] = None
+    return env
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:
+        return None

@@ -1,0 +1,118 @@
+"""What a run shows while it trains: a rich progress bar on a terminal, plain log lines elsewhere (files, CI,
+notebooks' captured output), and a summary table at the end. Only rank 0 shows anything."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def fmt_num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+class Progress:
+    """Live progress of optimizer steps: step/total, loss, tok/s, GiB, ETA."""
+
+    def __init__(self, mode: str, total_steps: int, enabled: bool) -> None:
+        if mode == "auto":
+            mode = "rich" if sys.stdout.isatty() else "plain"
+        self.mode = mode if enabled else "none"
+        self.total = total_steps
+        self._t0 = time.perf_counter()
+        self._bar = None
+        if self.mode == "rich":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+
+            self._bar = RichProgress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._task = self._bar.add_task("train", total=total_steps, stats="")
+            self._bar.start()
+
+    def print(self, message: str) -> None:
+        if self.mode == "rich":
+            self._bar.console.print(message)
+        elif self.mode == "plain":
+            print(message, flush=True)
+
+    def update(self, step: int, loss: float, tok_s: float | None, gib: float | None, lr: float) -> None:
+        stats = f"loss {loss:.4f} | lr {lr:.2e} | {fmt_num(tok_s)} tok/s" + (f" | {gib:.2f} GiB" if gib else "")
+        if self.mode == "rich":
+            self._bar.update(self._task, completed=step, stats=stats)
+        elif self.mode == "plain":
+            elapsed = time.perf_counter() - self._t0
+            eta = elapsed / step * (self.total - step) if step else None
+            print(f"step {step}/{self.total} | {stats} | ETA {_fmt_duration(eta)}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def print_summary(result: dict) -> None:
+    """The end-of-run table: what ran, how fast, how much memory, where the files are."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = result["throughput"]
+    mem = result["memory"]
+    losses = result["losses"]
+    table = Table(title=f"litft run: {result['status']}", show_header=False, title_justify="left")
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    rows = [
+        ("model / method", f"{result['model']['name']} / {result['recipe']['method']} / {result['recipe']['precision']}"),
+        ("batch", result["batch"]["arithmetic"]),
+        ("parameters", f"{fmt_num(result['parameters']['trainable'])} trainable of {fmt_num(result['parameters']['total'])}"),
+        ("steps / epochs", f"{result['steps']} / {result['epochs_completed']:.2f}"),
+        ("loss (train first -> last)", f"{fmt_num(losses['train_first'], 4)} -> {fmt_num(losses['train_last'], 4)}"),
+        ("val loss (initial -> final)", f"{fmt_num(losses['val_initial'], 4)} -> {fmt_num(losses['val_final'], 4)}"),
+        ("tok/s (real, all devices)", f"{fmt_num(t['tokens_per_sec'])}  (padded: {fmt_num(t['padded_tokens_per_sec'])})"),
+        ("tok/s per device", fmt_num(t["tokens_per_sec_per_device"])),
+        ("MFU", f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a (CPU or GPU not in the peak table)"),
+        ("median step time", f"{t['median_step_time_s'] * 1000:.1f} ms" if t["median_step_time_s"] else "n/a"),
+        ("padding", f"{t['padding_fraction'] * 100:.1f}% of positions"),
+        ("peak memory", _memory_line(mem)),
+        ("wall time", " | ".join(f"{k} {v:.1f}s" for k, v in result["phases_s"].items())),
+        ("out_dir", result["out_dir"]),
+    ]
+    if not t["steady_state"]:
+        rows.append(("note", "run too short to skip warm-up steps: throughput includes them"))
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def _memory_line(mem: dict) -> str:
+    if mem.get("peak_allocated_gib") is None:
+        return f"host peak RSS {mem['host_peak_rss_gib']:.2f} GiB (CPU run: no device memory)"
+    return (
+        f"{mem['peak_allocated_gib']:.2f} GiB allocated, {mem['peak_reserved_gib']:.2f} GiB reserved"
+        f" (device used {mem['device_used_gib']:.2f} of {mem['device_total_gib']:.1f} GiB)"
+    )

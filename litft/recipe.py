@@ -1,0 +1,810 @@
+"""A recipe: typed, nested dataclasses (one per concern), loaded from YAML and CLI overrides by jsonargparse.
+
+Loading goes in three passes so that the user sees every problem at once:
+
+1. keys and choices: every key of the YAML and of the overrides is checked against the dataclasses, with a
+   did-you-mean for typos (jsonargparse alone stops at the first unknown key);
+2. types: jsonargparse parses the values into the declared types (and checks the optimizer's arguments against the
+   optimizer class's own signature);
+3. meaning: :func:`validate` checks settings that contradict each other (batch arithmetic, QLoRA without a
+   quantization format, a missing checkpoint directory, ...).
+
+Any failure raises :class:`~litft.errors.ConfigError` (exit code 2) before an out_dir is made or a GPU is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from litft.errors import ConfigError
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The schema
+# ----------------------------------------------------------------------------------------------------------------------
+
+Precision = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true"]
+LoRATarget = Literal["q", "k", "v", "o", "mlp", "head"]
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune, and where its files are."""
+
+    name: Optional[str] = None
+    """LitGPT model name (as in `litgpt.Config.from_name`), e.g. 'tiny-llama-1.1b', 'open_llama_7b'. Needed for
+    `init: random`. With `init: pretrained` the architecture is read from the checkpoint's model_config.yaml, and a
+    name given here must agree with it."""
+
+    checkpoint_dir: Optional[str] = None
+    """LitGPT checkpoint directory (lit_model.pth, model_config.yaml, tokenizer files), as written by
+    `litgpt download <repo_id>`. Needed for `init: pretrained`; never downloaded implicitly. A path starting with
+    'litft:' points inside the litft package (the shipped demo model)."""
+
+    tokenizer_dir: Optional[str] = None
+    """Directory holding tokenizer.json or tokenizer.model, when it is not checkpoint_dir (e.g. `init: random` with a
+    tokenizer from elsewhere). Defaults to checkpoint_dir."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (LoRA, arXiv 2106.09685): W x + (alpha / r) * B A x, with A: r x d_in and B: d_out x r."""
+
+    r: int = 8
+    """Rank of the adapter matrices. Trainable parameters per adapted d_out x d_in weight: r * (d_in + d_out)."""
+
+    alpha: int = 16
+    """Scaling numerator: the update is multiplied by alpha / r."""
+
+    dropout: float = 0.05
+    """Dropout on the adapter's input (training only)."""
+
+    targets: list[LoRATarget] = field(default_factory=lambda: ["q", "v"])
+    """Which projections get adapters: q, k, v (attention inputs), o (attention output), mlp (all MLP linears),
+    head (the output layer)."""
+
+
+@dataclass
+class DataFields:
+    """Names of the JSON keys that hold each part of an instruction record."""
+
+    instruction: str = "instruction"
+    """Key of the instruction (prompt) text."""
+
+    input: str = "input"
+    """Key of the optional extra input; records without it, or with an empty string, have none."""
+
+    output: str = "output"
+    """Key of the response the model learns to produce."""
+
+
+@dataclass
+class DataConfig:
+    """The instruction data set and how it becomes token sequences."""
+
+    path: str = "litft:demo/instructions.jsonl"
+    """Alpaca-format data: a .json file holding a list of records, or a .jsonl file with one record per line."""
+
+    val_path: Optional[str] = None
+    """A separate validation file in the same format. When unset, `val_split` of `path` is held out."""
+
+    val_split: float = 0.05
+    """Fraction of records held out for validation (a fixed, seeded split) when val_path is unset."""
+
+    fields: DataFields = field(default_factory=DataFields)
+    """JSON keys of instruction, input and output."""
+
+    prompt_style: str = "alpaca"
+    """LitGPT prompt style that turns a record into the prompt text ('alpaca', 'default', 'llama2', ...)."""
+
+    max_seq_length: int = 512
+    """Longest token sequence (prompt + response); longer samples are truncated (and counted in the log)."""
+
+    mask_prompt: bool = True
+    """Train on the response only: prompt tokens get no loss."""
+
+    num_workers: int = 2
+    """DataLoader worker processes (0 = load in the training process)."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch arithmetic, schedule and the training loop's switches."""
+
+    global_batch_size: int = 16
+    """Samples per optimizer step, summed over devices. gradient accumulation =
+    global_batch_size / (micro_batch_size x devices), which must be a whole number."""
+
+    micro_batch_size: int = 4
+    """Samples per forward/backward pass on each device. Activation memory grows linearly with it."""
+
+    epochs: int = 1
+    """Passes over the training set."""
+
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (even within the first epoch). Unset: run all epochs."""
+
+    warmup_steps: int = 100
+    """Optimizer steps of linear learning-rate warm-up from 0 (capped at the run's total steps)."""
+
+    lr_schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    """Learning rate after warm-up: cosine or linear decay to min_lr_ratio x lr, or constant."""
+
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the optimizer's lr (cosine and linear schedules)."""
+
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value before each step. Unset: no clipping."""
+
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass: activation memory drops to about one
+    block's worth plus the block inputs, for ~30% more compute."""
+
+
+@dataclass
+class EvalConfig:
+    """Validation during and after training."""
+
+    interval: int = 100
+    """Validate every this many optimizer steps (0: only before and after training)."""
+
+    max_batches: Optional[int] = None
+    """Cap on validation batches per evaluation (unset: the whole validation set)."""
+
+    initial: bool = True
+    """Validate before the first step, so the run records the loss it started from."""
+
+    final: bool = True
+    """Validate after the last step."""
+
+
+@dataclass
+class LoggingConfig:
+    """What the run prints and writes."""
+
+    interval: int = 1
+    """Write a metrics row (metrics.jsonl, TensorBoard) every this many optimizer steps."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to out_dir/tensorboard."""
+
+    progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    """Live progress: a rich bar on a terminal, plain log lines otherwise ('auto'), or forced."""
+
+    skip_steps: int = 2
+    """Optimizer steps at the start left out of the throughput figures (compilation, allocator and cache warm-up).
+    Runs with no more steps than this report all steps and say so."""
+
+
+@dataclass
+class OptimizerSpec:
+    """An optimizer class and its keyword arguments; any `torch.optim.Optimizer` subclass works."""
+
+    class_path: str = "torch.optim.AdamW"
+    """Import path of the class: torch.optim.AdamW, torch.optim.SGD, bitsandbytes.optim.AdamW8bit,
+    bitsandbytes.optim.PagedAdamW, ..."""
+
+    init_args: dict[str, Any] = field(
+        default_factory=lambda: {"lr": 2e-4, "weight_decay": 0.0, "betas": [0.9, 0.95]}
+    )
+    """Keyword arguments of the class (lr, weight_decay, betas, momentum, ...), checked against its signature."""
+
+
+@dataclass
+class Recipe:
+    """A complete fine-tuning run. Recipes in YAML set only what differs from these defaults."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model and its files."""
+
+    init: Literal["pretrained", "random"] = "pretrained"
+    """'pretrained' loads checkpoint_dir/lit_model.pth; 'random' builds the named architecture with random weights
+    (speed and memory do not depend on weight values, so any recipe can be measured without a download)."""
+
+    method: Literal["full", "lora", "qlora"] = "lora"
+    """'full' trains every weight; 'lora' trains adapters on frozen weights; 'qlora' is LoRA on 4-bit frozen weights."""
+
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Adapter shape (methods lora and qlora)."""
+
+    quantize: Optional[Literal["nf4", "nf4-dq", "fp4", "fp4-dq"]] = None
+    """4-bit format of the frozen weights (method qlora only): nf4 or fp4 (bitsandbytes), '-dq' adds double
+    quantization of the scales (~0.4 bit/parameter less)."""
+
+    precision: Precision = "bf16-true"
+    """Fabric precision: '32-true'; '16-mixed'/'bf16-mixed' (16-bit compute over fp32 weights, +fp32 master copy);
+    '16-true'/'bf16-true' (weights, gradients and optimizer state in 16 bits)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data set."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch arithmetic and schedule."""
+
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """Optimizer class and arguments."""
+
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logging and progress."""
+
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run: 'auto' picks CUDA when a GPU is present, else the CPU."""
+
+    devices: int = 1
+    """Number of devices (GPUs, or CPU processes) to train on."""
+
+    strategy: Literal["auto", "ddp"] = "auto"
+    """How several devices share the work; 'auto' is a single device, or DDP (a full replica per device, gradients
+    averaged) when devices > 1."""
+
+    out_dir: str = "out/run"
+    """Where the run writes its config, metrics, TensorBoard events, result.json and weights."""
+
+    seed: int = 1337
+    """Seed for weights init, LoRA dropout, data split and shuffling."""
+
+    merge: bool = False
+    """LoRA/QLoRA: also write a merged full checkpoint (base + adapter) to out_dir/final/merged."""
+
+    # ---- derived values: one definition each ----
+
+    @property
+    def world_size(self) -> int:
+        return self.devices
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on each device: global / (micro x devices)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.world_size)
+
+    def batch_arithmetic(self) -> str:
+        t = self.train
+        return (
+            f"micro_batch_size {t.micro_batch_size} x accumulation {self.grad_accum} x devices {self.world_size}"
+            f" = global_batch_size {t.global_batch_size}; up to {t.global_batch_size * self.data.max_seq_length:,}"
+            f" tokens per step at max_seq_length {self.data.max_seq_length}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Paths, recipe lookup
+# ----------------------------------------------------------------------------------------------------------------------
+
+PACKAGE_PREFIX = "litft:"
+
+
+def resolve_path(path: str | Path | None) -> Path | None:
+    """A path as given in a recipe: 'litft:demo/model' lies inside the installed package, anything else is a
+    normal path (relative to the working directory)."""
+    if path is None:
+        return None
+    path = str(path)
+    if path.startswith(PACKAGE_PREFIX):
+        return Path(str(resources.files("litft") / "assets")) / path[len(PACKAGE_PREFIX) :]
+    return Path(path).expanduser()
+
+
+def recipes_dir() -> Path:
+    """The shipped recipes: <repo>/recipes in a clone, litft/recipes inside an installed wheel."""
+    return Path(str(resources.files("litft.recipes")))
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def find_recipe(name_or_path: str | Path) -> Path:
+    """A recipe file: an existing path, or the name of a shipped recipe (with or without '.yaml')."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = recipes_dir() / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if shipped.is_file() and (path.parent == Path(".") or not path.exists()):
+        return shipped
+    names = recipe_names()
+    hint = difflib.get_close_matches(path.stem, names, n=3)
+    suggestion = f" Did you mean {', '.join(repr(h) for h in hint)}?" if hint else ""
+    raise ConfigError(
+        f"no recipe file or shipped recipe named '{name_or_path}'.{suggestion} `litft ls` lists the shipped recipes."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pass 1: keys and choices, all at once, with did-you-mean
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _literal_choices(tp: Any) -> tuple[list[Any], bool, bool] | None:
+    """(choices, allows None, is a list of choices) for Literal / Optional[Literal] / list[Literal]; else None."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return list(typing.get_args(tp)), False, False
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and typing.get_origin(args[0]) is Literal:
+            return list(typing.get_args(args[0])), True, False
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if typing.get_origin(inner) is Literal:
+            return list(typing.get_args(inner)), False, True
+    return None
+
+
+def _all_dotted_keys(cls: type = Recipe, prefix: str = "") -> list[str]:
+    keys = []
+    for name, tp in _hints(cls).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(tp) and tp is not OptimizerSpec:
+            keys += _all_dotted_keys(tp, f"{prefix}{name}.")
+    return keys
+
+
+def _unknown_key(key: str, siblings: list[str]) -> str:
+    """'unknown key a.b' with the closest sibling, or the same leaf name in another section."""
+    prefix, _, leaf = key.rpartition(".")
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key '{key}'; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+    elsewhere = [k for k in _all_dotted_keys() if k.rpartition(".")[2] == leaf]
+    if elsewhere:
+        return f"unknown key '{key}'; did you mean '{elsewhere[0]}'?"
+    section = f"'{prefix}'" if prefix else "a recipe"
+    return f"unknown key '{key}'; {section} accepts: {', '.join(siblings)}"
+
+
+def _check_choice(key: str, value: Any, tp: Any, problems: list[str]) -> None:
+    spec = _literal_choices(tp)
+    if spec is None:
+        return
+    choices, optional, is_list = spec
+    values = value if is_list and isinstance(value, list) else [value]
+    for v in values:
+        if v is None and optional:
+            continue
+        if v not in choices:
+            close = difflib.get_close_matches(str(v), [str(c) for c in choices], n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            allowed = ", ".join(repr(c) for c in choices) + (" or null" if optional else "")
+            problems.append(f"{key}: {v!r} is not one of {allowed}{hint}")
+
+
+def _check_section(values: dict, cls: type, prefix: str, problems: list[str]) -> None:
+    hints = _hints(cls)
+    for key, value in values.items():
+        dotted = prefix + str(key)
+        if key not in hints:
+            problems.append(_unknown_key(dotted, list(hints)))
+            continue
+        tp = hints[key]
+        if tp is OptimizerSpec:
+            continue  # checked against the optimizer class by _check_optimizer
+        if dataclasses.is_dataclass(tp):
+            if isinstance(value, dict):
+                _check_section(value, tp, dotted + ".", problems)
+            elif value is not None:
+                problems.append(f"{dotted}: expected a section of keys ({', '.join(_hints(tp))}), got {value!r}")
+            continue
+        _check_choice(dotted, value, tp, problems)
+
+
+def _check_optimizer(class_path: str, arg_names: list[str], problems: list[str]) -> None:
+    """The class must be an importable torch Optimizer, and every argument a parameter of its __init__."""
+    import importlib
+    import inspect
+
+    import torch
+
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        problems.append(
+            f"optimizer.class_path: cannot import '{class_path}' (e.g. torch.optim.AdamW, torch.optim.SGD,"
+            " bitsandbytes.optim.AdamW8bit, bitsandbytes.optim.PagedAdamW)"
+        )
+        return
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        problems.append(f"optimizer.class_path: '{class_path}' is not a torch.optim.Optimizer subclass")
+        return
+    params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
+    for name in arg_names:
+        if name not in params:
+            close = difflib.get_close_matches(name, params, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; it accepts: {', '.join(params)}"
+            problems.append(f"optimizer.init_args: {class_name} has no argument '{name}'{hint}")
+
+
+def _parse_cli_overrides(args: list[str]) -> list[tuple[str, str | None]]:
+    """['--a.b', 'v', '--c=w'] -> [('a.b', 'v'), ('c', 'w')]."""
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument '{token}': overrides look like --train.micro_batch_size 8")
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            i += 1
+        pairs.append((key, value if (eq or value is not None) else None))
+        i += 1
+    return pairs
+
+
+def _check_keys(yaml_values: dict, overrides: list[tuple[str, str | None]]) -> None:
+    problems: list[str] = []
+    _check_section(yaml_values, Recipe, "", problems)
+
+    # The optimizer: class from the override, else the YAML, else the default; arguments from both.
+    yaml_opt = yaml_values.get("optimizer") or {}
+    if not isinstance(yaml_opt, dict):
+        problems.append(f"optimizer: expected class_path and init_args, got {yaml_opt!r}")
+        yaml_opt = {}
+    for key in yaml_opt:
+        if key not in ("class_path", "init_args"):
+            problems.append(_unknown_key(f"optimizer.{key}", ["class_path", "init_args"]))
+    yaml_class = yaml_opt.get("class_path") or OptimizerSpec().class_path
+    yaml_args = list((yaml_opt.get("init_args") or {}).keys())
+    cli_class, cli_args = None, []
+
+    for key, raw in overrides:
+        if key == "optimizer" or key == "optimizer.class_path":
+            cli_class = raw
+            continue
+        if key.startswith("optimizer."):
+            cli_args.append(key.removeprefix("optimizer.").removeprefix("init_args."))
+            continue
+        # walk the dataclasses along the dotted key
+        cls: type = Recipe
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            hints = _hints(cls)
+            dotted = ".".join(parts[: depth + 1])
+            if part not in hints:
+                problems.append(_unknown_key(dotted, list(hints)))
+                break
+            tp = hints[part]
+            if depth == len(parts) - 1:
+                if raw is not None and _literal_choices(tp) is not None:
+                    try:
+                        value = yaml.safe_load(raw)
+                    except yaml.YAMLError:
+                        value = raw
+                    _check_choice(dotted, value, tp, problems)
+            elif dataclasses.is_dataclass(tp):
+                cls = tp
+            else:
+                problems.append(f"unknown key '{key}': '{dotted}' is a value, not a section")
+                break
+    if cli_class is None or cli_class == yaml_class:
+        _check_optimizer(yaml_class, yaml_args + cli_args, problems)
+    else:
+        # Switching the class on the command line keeps the recipe's arguments the new class accepts and drops the
+        # rest (jsonargparse's rule), so only the recipe's class is held to the recipe's arguments.
+        _check_optimizer(yaml_class, yaml_args, problems)
+        _check_optimizer(cli_class, cli_args, problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pass 2: types, through jsonargparse
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def build_parser(prog: str = "litft finetune"):
+    """The jsonargparse parser of a recipe: one --dotted.key per field, with the field docstrings as help."""
+    from collections.abc import Callable, Iterable
+
+    import torch
+    from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+
+    parser = ArgumentParser(prog=prog, exit_on_error=False, description="Fine-tune a LitGPT model from a recipe.")
+    parser.add_argument("--config", action=ActionConfigFile, help="A recipe YAML file (or a shipped recipe's name).")
+    parser.add_class_arguments(Recipe, None, skip={"optimizer"}, fail_untyped=True)
+    default = OptimizerSpec()
+    # jsonargparse's own optimizer type: `--optimizer torch.optim.SGD --optimizer.momentum 0.9` switches the class
+    # and sets its arguments, and the arguments are checked against the class's signature.
+    parser.add_argument(
+        "--optimizer",
+        type=Callable[[Iterable], torch.optim.Optimizer],
+        default=Namespace(class_path=default.class_path, init_args=Namespace(**default.init_args)),
+        help="Optimizer class (e.g. torch.optim.SGD) and, as --optimizer.NAME, its arguments.",
+    )
+    return parser
+
+
+def _from_dict(cls: type, values: dict) -> Any:
+    hints = _hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        if name not in hints:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = _from_dict(tp, value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _plain(value: Any) -> Any:
+    """Namespaces, tuples and Paths to plain dicts, lists and strings (what YAML and JSON hold)."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _optimizer_from_parsed(value: Any) -> OptimizerSpec:
+    value = _plain(value)
+    init_args = {k: v for k, v in (value.get("init_args") or {}).items()}
+    # jsonargparse fills every argument of the signature; keep those that differ from the class defaults, so the
+    # resolved config shows what the recipe chose (and stays valid for another torch version).
+    import importlib
+    import inspect
+
+    module_name, _, class_name = value["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    defaults = {
+        n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty
+    }
+    chosen = {k: v for k, v in init_args.items() if k not in defaults or _plain(defaults[k]) != v}
+    return OptimizerSpec(class_path=value["class_path"], init_args=chosen)
+
+
+def _flatten_overrides(overrides: dict, prefix: str = "") -> list[str]:
+    """{'train': {'micro_batch_size': 8}} -> ['--train.micro_batch_size', '8'] (values as JSON, which YAML reads)."""
+    args: list[str] = []
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if dotted == "optimizer" and isinstance(value, dict):
+            if "class_path" in value:
+                args += ["--optimizer", str(value["class_path"])]
+            init_args = value.get("init_args", {k: v for k, v in value.items() if k != "class_path"})
+            for name, arg in init_args.items():
+                args += [f"--optimizer.{name}", json.dumps(_plain(arg))]
+        elif isinstance(value, dict):
+            args += _flatten_overrides(value, dotted + ".")
+        elif dataclasses.is_dataclass(value):
+            args += _flatten_overrides(dataclasses.asdict(value), dotted + ".")
+        else:
+            args += [f"--{dotted}", json.dumps(_plain(value))]
+    return args
+
+
+def load_recipe(
+    name_or_path: str | Path | None = None, args: list[str] | None = None, validate_paths: bool = True, **overrides: Any
+) -> Recipe:
+    """Load a recipe: a file or shipped recipe name, then CLI-style `args` and/or keyword overrides by section.
+
+    >>> cfg = load_recipe("tiny-llama-lora", train={"micro_batch_size": 8}, precision="bf16-mixed")
+    >>> cfg = load_recipe("demo", args=["--train.max_steps", "20"])
+
+    Raises ConfigError (exit code 2) listing every problem found.
+    """
+    from jsonargparse import ArgumentError
+
+    source = None
+    yaml_values: dict = {}
+    argv: list[str] = []
+    if name_or_path is not None:
+        path = find_recipe(name_or_path)
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ConfigError(f"cannot read the YAML: {err}", source=source) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("a recipe must be a mapping of keys (model:, train:, ...)", source=source)
+        yaml_values = loaded or {}
+        argv += ["--config", str(path)]
+    extra = list(args or []) + _flatten_overrides(overrides)
+    pairs = _parse_cli_overrides(extra)
+    try:
+        _check_keys(yaml_values, pairs)
+    except ConfigError as err:
+        raise ConfigError(err.problems, source=source) from None
+
+    parser = build_parser()
+    try:
+        namespace = parser.parse_args(argv + extra)
+    except ArgumentError as err:
+        raise ConfigError(_tidy_jsonargparse_message(str(err)), source=source) from None
+    values = _plain(namespace)
+    values.pop("config", None)
+    optimizer = _optimizer_from_parsed(values.pop("optimizer"))
+    recipe = _from_dict(Recipe, values)
+    recipe.optimizer = optimizer
+    problems = validate(recipe, check_paths=validate_paths)
+    if problems:
+        raise ConfigError(problems, source=source)
+    return recipe
+
+
+def _tidy_jsonargparse_message(message: str) -> str:
+    """jsonargparse says 'Parser key "train.epochs":\\n  Expected a <class 'int'>. Got value: five'; keep it on one
+    line, as 'train.epochs: expected int, got five'."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    text = " ".join(lines)
+    if text.startswith('Parser key "'):
+        key, _, rest = text[len('Parser key "') :].partition('":')
+        rest = rest.strip().replace("<class '", "").replace("'>", "")
+        rest = rest.replace("Expected a int.", "expected an int,").replace("Expected a ", "expected a ")
+        rest = rest.replace(". Got value:", ", got").replace("Got value:", "got")
+        return f"{key}: {rest}"
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pass 3: meaning
+# ----------------------------------------------------------------------------------------------------------------------
+
+_CHECKPOINT_FILES = ("lit_model.pth", "model_config.yaml")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
+    """Every contradiction in the recipe, as 'dotted.key: what is wrong and what to do'. Empty list: valid."""
+    problems: list[str] = []
+    t, d = recipe.train, recipe.data
+
+    for key, value in [
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.epochs", t.epochs),
+        ("devices", recipe.devices),
+        ("data.max_seq_length", d.max_seq_length),
+        ("logging.interval", recipe.logging.interval),
+    ]:
+        if value < 1:
+            problems.append(f"{key}: must be at least 1, got {value}")
+    if t.micro_batch_size >= 1 and recipe.devices >= 1 and t.global_batch_size >= 1:
+        per_step = t.micro_batch_size * recipe.devices
+        if t.global_batch_size % per_step:
+            lower = max(per_step, t.global_batch_size // per_step * per_step)
+            problems.append(
+                f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x devices ="
+                f" {t.micro_batch_size} x {recipe.devices} = {per_step}; try {lower} or {lower + per_step}"
+            )
+    if t.max_steps is not None and t.max_steps < 1:
+        problems.append(f"train.max_steps: must be at least 1 or null, got {t.max_steps}")
+    if t.warmup_steps < 0:
+        problems.append(f"train.warmup_steps: must be 0 or more, got {t.warmup_steps}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        problems.append(f"train.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
+    if t.max_grad_norm is not None and t.max_grad_norm <= 0:
+        problems.append(f"train.max_grad_norm: must be positive or null, got {t.max_grad_norm}")
+    if recipe.eval.interval < 0:
+        problems.append(f"eval.interval: must be 0 or more, got {recipe.eval.interval}")
+    if d.val_path is None and not 0.0 < d.val_split < 1.0:
+        problems.append(f"data.val_split: must be within (0, 1) when data.val_path is unset, got {d.val_split}")
+    if d.num_workers < 0:
+        problems.append(f"data.num_workers: must be 0 or more, got {d.num_workers}")
+
+    lr = recipe.optimizer.init_args.get("lr")
+    if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
+        problems.append(f"optimizer.init_args.lr: must be a positive number, got {lr!r}")
+
+    # Methods, quantization and precision
+    if recipe.method in ("lora", "qlora"):
+        lo = recipe.lora
+        if lo.r < 1:
+            problems.append(f"lora.r: must be at least 1, got {lo.r}")
+        if not lo.targets:
+            problems.append("lora.targets: choose at least one of q, k, v, o, mlp, head")
+        if not 0.0 <= lo.dropout < 1.0:
+            problems.append(f"lora.dropout: must be within [0, 1), got {lo.dropout}")
+    if recipe.method == "qlora":
+        if recipe.quantize is None:
+            problems.append("quantize: method qlora needs a 4-bit format: nf4, nf4-dq, fp4 or fp4-dq")
+        if recipe.precision.endswith("-mixed"):
+            problems.append(
+                f"precision: {recipe.precision} cannot be combined with 4-bit weights; use bf16-true (or 16-true,"
+                " 32-true): the 4-bit weights are dequantized to that dtype for each matmul"
+            )
+        if recipe.accelerator == "cpu":
+            problems.append("method: qlora needs a CUDA GPU (bitsandbytes' 4-bit training path in Fabric is GPU-only)")
+        if recipe.devices > 1:
+            problems.append("method: qlora runs on one device in litft for now; set devices: 1")
+    elif recipe.quantize is not None:
+        problems.append(
+            f"quantize: {recipe.quantize} applies to method qlora only (frozen 4-bit weights under LoRA adapters);"
+            f" method is {recipe.method}. Set method: qlora, or quantize: null"
+        )
+
+    # Model files
+    m = recipe.model
+    if recipe.init == "random" and m.name is None and m.checkpoint_dir is None:
+        problems.append("model.name: init random needs an architecture name, e.g. tiny-llama-1.1b or open_llama_7b")
+    if m.name is not None:
+        from litgpt.config import name_to_config
+
+        if m.name not in name_to_config:
+            close = difflib.get_close_matches(m.name, list(name_to_config), n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            problems.append(f"model.name: '{m.name}' is not a LitGPT model name{hint}")
+    if recipe.init == "pretrained":
+        if m.checkpoint_dir is None:
+            problems.append(
+                "model.checkpoint_dir: init pretrained needs a LitGPT checkpoint directory (get one with"
+                " `litgpt download <repo_id>`), or set init: random to measure with random weights"
+            )
+        elif check_paths:
+            problems += checkpoint_dir_problems(resolve_path(m.checkpoint_dir), "model.checkpoint_dir")
+    if check_paths:
+        tok_dir = resolve_path(m.tokenizer_dir or m.checkpoint_dir)
+        if tok_dir is None:
+            problems.append("model.tokenizer_dir: no tokenizer: set model.checkpoint_dir or model.tokenizer_dir")
+        elif tok_dir.is_dir() and not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+            key = "model.tokenizer_dir" if m.tokenizer_dir else "model.checkpoint_dir"
+            problems.append(f"{key}: '{tok_dir}' has no tokenizer.json or tokenizer.model")
+        elif not tok_dir.is_dir() and recipe.init == "random":
+            key = "model.tokenizer_dir" if m.tokenizer_dir else "model.checkpoint_dir"
+            problems.append(f"{key}: '{tok_dir}' is not a directory (it should hold the tokenizer files)")
+        for key, value in [("data.path", d.path), ("data.val_path", d.val_path)]:
+            if value is not None and not resolve_path(value).is_file():
+                problems.append(f"{key}: no such file '{value}'")
+    return problems
+
+
+def checkpoint_dir_problems(path: Path, key: str) -> list[str]:
+    """What a LitGPT checkpoint directory lacks; never a download (a typo must not turn into network traffic)."""
+    if not path.is_dir():
+        parent = path.parent
+        close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1) if parent.is_dir() else []
+        hint = f" Did you mean '{parent / close[0]}'?" if close else ""
+        return [
+            f"{key}: '{path}' does not exist.{hint} Download weights with `litgpt download <repo_id>` (e.g."
+            " TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), or use init: random"
+        ]
+    missing = [f for f in _CHECKPOINT_FILES if not (path / f).is_file()]
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        missing.append("tokenizer.json or tokenizer.model")
+    if missing:
+        return [
+            f"{key}: '{path}' lacks {', '.join(missing)}; a LitGPT checkpoint directory holds lit_model.pth,"
+            " model_config.yaml and the tokenizer (`litgpt download` writes all three)"
+        ]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Saving and identity
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    return _plain(dataclasses.asdict(recipe))
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=None)
+
+
+def config_hash(recipe: Recipe) -> str:
+    """A short hash of everything that shapes the training result (not where it is written or how it is shown)."""
+    values = recipe_to_dict(recipe)
+    for key in ("out_dir", "logging"):
+        values.pop(key, None)
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]

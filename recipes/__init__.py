@@ -1,0 +1,1 @@
+"""Shipped recipes (YAML files beside this module); `litft ls` lists them."""
