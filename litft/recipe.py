@@ -315,9 +315,9 @@ def find_recipe(name_or_path: str | Path) -> Path:
         return shipped
     names = recipe_names()
     hint = difflib.get_close_matches(path.stem, names, n=3)
-    suggestion = f" Did you mean {', '.join(repr(h) for h in hint)}?" if hint else ""
+    suggestion = f" did you mean {', '.join(repr(h) for h in hint)}?" if hint else ""
     raise ConfigError(
-        f"no recipe file or shipped recipe named '{name_or_path}'.{suggestion} `litft ls` lists the shipped recipes."
+        f"no recipe file or shipped recipe named '{name_or_path}';{suggestion} `litft ls` lists the shipped recipes."
     )
 
 
@@ -513,8 +513,9 @@ def build_parser(prog: str = "litft finetune"):
     from collections.abc import Callable, Iterable
 
     import torch
-    from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+    from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_docstring_parse_options
 
+    set_docstring_parse_options(attribute_docstrings=True)  # field docstrings become --help text
     parser = ArgumentParser(prog=prog, exit_on_error=False, description="Fine-tune a LitGPT model from a recipe.")
     parser.add_argument("--config", action=ActionConfigFile, help="A recipe YAML file (or a shipped recipe's name).")
     parser.add_class_arguments(Recipe, None, skip={"optimizer"}, fail_untyped=True)
@@ -557,20 +558,10 @@ def _plain(value: Any) -> Any:
 
 
 def _optimizer_from_parsed(value: Any) -> OptimizerSpec:
+    """Keep every argument jsonargparse resolved (the recipe's and the class defaults it filled in): the saved config
+    then rebuilds exactly this optimizer, whatever litft's own default optimizer is."""
     value = _plain(value)
-    init_args = {k: v for k, v in (value.get("init_args") or {}).items()}
-    # jsonargparse fills every argument of the signature; keep those that differ from the class defaults, so the
-    # resolved config shows what the recipe chose (and stays valid for another torch version).
-    import importlib
-    import inspect
-
-    module_name, _, class_name = value["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    defaults = {
-        n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty
-    }
-    chosen = {k: v for k, v in init_args.items() if k not in defaults or _plain(defaults[k]) != v}
-    return OptimizerSpec(class_path=value["class_path"], init_args=chosen)
+    return OptimizerSpec(class_path=value["class_path"], init_args=dict(value.get("init_args") or {}))
 
 
 def _flatten_overrides(overrides: dict, prefix: str = "") -> list[str]:
@@ -583,14 +574,20 @@ def _flatten_overrides(overrides: dict, prefix: str = "") -> list[str]:
                 args += ["--optimizer", str(value["class_path"])]
             init_args = value.get("init_args", {k: v for k, v in value.items() if k != "class_path"})
             for name, arg in init_args.items():
-                args += [f"--optimizer.{name}", json.dumps(_plain(arg))]
+                args += [f"--optimizer.{name}", _cli_value(arg)]
         elif isinstance(value, dict):
             args += _flatten_overrides(value, dotted + ".")
         elif dataclasses.is_dataclass(value):
             args += _flatten_overrides(dataclasses.asdict(value), dotted + ".")
         else:
-            args += [f"--{dotted}", json.dumps(_plain(value))]
+            args += [f"--{dotted}", _cli_value(value)]
     return args
+
+
+def _cli_value(value: Any) -> str:
+    """A Python value as a CLI string: strings as they are (jsonargparse takes a str/Literal value verbatim), the rest
+    as JSON, which jsonargparse reads as YAML."""
+    return value if isinstance(value, str) else json.dumps(_plain(value))
 
 
 def load_recipe(
