@@ -1,15 +1,14 @@
-"""litft: LLM fine-tuning recipes on Lightning Fabric and LitGPT; every run is also a measurement."""
+"""litft: LLM fine-tuning recipes on Lightning Fabric and LitGPT; every run is also a measurement.
+
+    cfg = litft.load_recipe("tiny-llama-lora", train={"micro_batch_size": 8})
+    result = litft.finetune(cfg)          # a RunResult: figures (result.json) and paths
+"""
 
 __version__ = "0.1.0"
 
 from litft.recipe import Recipe, load_recipe, validate  # noqa: E402
 
+# Bound after the submodule import, so `litft.finetune` is the function (not the module litft.finetune).
+from litft.finetune import RunResult, finetune  # noqa: E402
 
-def finetune(recipe: Recipe, **kwargs):
-    """Run a recipe and return its RunResult (figures and paths). See litft.finetune.finetune."""
-    from litft.finetune import finetune as _finetune
-
-    return _finetune(recipe, **kwargs)
-
-
-__all__ = ["Recipe", "load_recipe", "validate", "finetune", "__version__"]
+__all__ = ["Recipe", "RunResult", "load_recipe", "validate", "finetune", "__version__"]

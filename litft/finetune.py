@@ -8,6 +8,7 @@ finite, clip, step, log.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +43,8 @@ class RunResult:
 
     out_dir: Path
     result: dict
+    model: torch.nn.Module | None = None
+    """The trained model (LitGPT GPT, on its device) when the run ran in this process; None for spawned ranks."""
 
     @property
     def status(self) -> str:
@@ -120,11 +123,8 @@ def main(fabric, recipe: Recipe) -> RunResult:
         fabric.print(message)
 
     say(f"litft: {recipe.method} fine-tune, {recipe.init} weights, precision {recipe.precision}, out_dir {out_dir}")
-    say(
-        f"data: {data.stats['train']['samples']:,} train / {data.stats['val']['samples']:,} val samples,"
-        f" {data.stats['train']['truncated']} truncated to {recipe.data.max_seq_length} tokens,"
-        f" {data.stats['train']['dropped']} dropped (no response tokens left)"
-    )
+    for line in data.describe():
+        say(f"data {line}")
     say(f"batch: {recipe.batch_arithmetic()}")
 
     # ---- model, optimizer, loaders ----
@@ -150,8 +150,13 @@ def main(fabric, recipe: Recipe) -> RunResult:
             len(data.val), recipe.train.micro_batch_size, shuffle=False, seed=recipe.seed,
             rank=fabric.global_rank, world_size=fabric.world_size, drop_last=False,
         )
-        train_loader = build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers)
-        val_loader = build_dataloader(data.val, val_sampler, data.pad_id, recipe.data.num_workers)
+        # The samplers already give each rank its share, so Fabric must not add a DistributedSampler.
+        train_loader, val_loader = fabric.setup_dataloaders(
+            build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers),
+            build_dataloader(data.val, val_sampler, data.pad_id, recipe.data.num_workers),
+            use_distributed_sampler=False,
+            move_to_device=False,  # the loop moves the two tensors itself; the counts stay plain ints
+        )
         total_steps = planned_steps(recipe, len(train_sampler))
         scheduler = build_scheduler(recipe, optimizer, total_steps)
 
@@ -204,7 +209,7 @@ def main(fabric, recipe: Recipe) -> RunResult:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
         print_summary(result)
-    return RunResult(out_dir=out_dir, result=result)
+    return RunResult(out_dir=out_dir, result=result, model=model.module if hasattr(model, "module") else model)
 
 
 def fit(
@@ -236,7 +241,9 @@ def fit(
 
         grad_norm = None
         if recipe.train.max_grad_norm is not None:
-            grad_norm = fabric.clip_gradients(model, optimizer, max_norm=recipe.train.max_grad_norm)
+            grad_norm = fabric.clip_gradients(
+                model, optimizer, max_norm=recipe.train.max_grad_norm, error_if_nonfinite=False  # checked below
+            )
         # One host-device sync per step: the loss (and grad norm) must be finite BEFORE the weights change.
         step_loss = (loss_sum / denominator / fabric.world_size).float()
         if fabric.world_size > 1:
@@ -438,7 +445,10 @@ def build_result(
             "max_seq_length": recipe.data.max_seq_length,
             "arithmetic": recipe.batch_arithmetic(),
         },
-        "data": data.stats,
+        "data": {
+            "train": dataclasses.asdict(data.train.stats), "val": dataclasses.asdict(data.val.stats),
+            "train_source": data.train_source, "val_source": data.val_source,
+        },
         "steps": state["step"],
         "epochs_completed": state["micro_batches"] / max(1, batches_per_epoch),
         "losses": losses,

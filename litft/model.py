@@ -120,10 +120,24 @@ def build_model(fabric, recipe: Recipe, config) -> torch.nn.Module:
     with fabric.init_module(empty_init=pretrained):
         model = GPT(config)
     if pretrained:
-        load_weights(model, resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth", lora=mark_only_lora_as_trainable is not None)
+        is_lora = mark_only_lora_as_trainable is not None
+        load_weights(model, resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth", lora=is_lora)
+        if is_lora:
+            # empty_init left the adapters as uninitialised memory and the base checkpoint has none:
+            # A ~ kaiming-uniform, B = 0, so the adapted model starts exactly at the base model.
+            init_adapters(model)
     if mark_only_lora_as_trainable is not None:
         mark_only_lora_as_trainable(model)
     return model
+
+
+def init_adapters(model: torch.nn.Module) -> None:
+    from litgpt.lora import LoRALinear
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.reset_parameters()  # touches lora_A and lora_B only
 
 
 def load_weights(model: torch.nn.Module, path: Path, lora: bool) -> None:
@@ -175,8 +189,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """LoRA: the adapter tensors only (a few MB instead of the whole model)."""
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in model.state_dict().items() if k in names}
+    # keep_vars gives the Parameter objects themselves, so wrappers that rename (Fabric, checkpointing) don't matter
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if getattr(v, "requires_grad", False)}
 
 
 def write_checkpoint_files(recipe: Recipe, config, target: Path) -> None:

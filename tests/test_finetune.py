@@ -1,0 +1,140 @@
+"""The loop end to end on a 2-layer model on the CPU: full, LoRA and SGD runs write every output, figures add up,
+and LoRA is correct (zero-initialised B is a no-op, merge equals base + adapter, only adapters change)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import litft
+from litft.model import merge_lora_checkpoint, model_config
+
+
+def _read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "method, optimizer",
+    [
+        ("full", {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}}),
+        ("lora", {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-2}}),
+        ("full", {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.0}}),
+    ],
+    ids=["full-adamw", "lora-adamw", "full-sgd"],
+)
+def test_run_end_to_end_writes_every_output(tiny_recipe, method, optimizer):
+    recipe = tiny_recipe(method=method, optimizer=optimizer, lora={"r": 4, "alpha": 8, "targets": ["q", "v", "mlp"]})
+    result = litft.finetune(recipe)
+    out = result.out_dir
+    assert result.status == "ok"
+
+    # resolved config: loads back to the same recipe
+    assert litft.load_recipe(out / "config.yaml") == recipe
+
+    # one metrics row per step (logging.interval 1), finite losses, the val losses at the eval interval
+    rows = _read_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 for r in rows)
+    assert "val_loss" in rows[1] and "val_loss" not in rows[0]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+    r = json.loads((out / "result.json").read_text())
+    assert r["steps"] == 4 and r["batch"]["grad_accum"] == 2
+    t = r["throughput"]
+    # 4 steps x 8 samples; tokens add up; padding counted apart
+    assert t["tokens_real"] > 0 and t["tokens_padded"] >= t["tokens_real"]
+    assert t["steps_measured"] == 2 and t["steps_skipped"] == 2 and t["steady_state"]
+    assert t["tokens_per_sec"] > 0 and t["mfu"] is None  # no MFU on the CPU (no peak in the table)
+    assert r["losses"]["val_initial"] is not None and r["losses"]["val_final"] is not None
+    assert set(r["definitions"]) >= {"tokens_real", "tokens_per_sec", "mfu", "memory"}
+
+    weights = torch.load(out / r["files"]["weights"], weights_only=True)
+    if method == "lora":
+        assert weights and all("lora_" in k for k in weights)
+        assert r["parameters"]["trainable"] == sum(v.numel() for v in weights.values())
+        assert (out / "final" / "hyperparameters.yaml").is_file()
+    else:
+        assert r["parameters"]["trainable"] == r["parameters"]["total"]
+        assert "lm_head.weight" in weights
+    assert (out / "final" / "model_config.yaml").is_file() and (out / "final" / "tokenizer.json").is_file()
+
+
+def test_a_second_run_into_the_same_out_dir_is_refused_without_overwrite(tiny_recipe):
+    recipe = tiny_recipe(method="full", train={"max_steps": 1}, eval={"initial": False})
+    litft.finetune(recipe)
+    with pytest.raises(litft.recipe.ConfigError, match="already holds a run"):
+        litft.finetune(recipe)
+    assert litft.finetune(recipe, overwrite=True).status == "ok"
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(ids)
+
+
+def test_lora_with_zero_B_leaves_the_output_unchanged(tiny_recipe, tiny_checkpoint_dir):
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.model import GPT
+
+    recipe = tiny_recipe(method="lora", lora={"r": 4, "alpha": 8, "targets": ["q", "k", "v", "o", "mlp", "head"]})
+    state = torch.load(tiny_checkpoint_dir / "lit_model.pth", weights_only=True)
+    base = GPT(model_config(tiny_recipe(method="full")))
+    base.load_state_dict(state)
+    lora = LoRAGPT(model_config(recipe))
+    lora.load_state_dict(state, strict=False)
+    assert any(n.endswith("lora_B") for n, _ in lora.named_parameters())
+    ids = torch.randint(0, 300, (2, 16))
+    assert torch.equal(_logits(base, ids), _logits(lora, ids))
+
+
+def test_training_changes_only_the_adapters_and_merge_equals_base_plus_adapter(tiny_recipe, tiny_checkpoint_dir, tmp_path):
+    from litgpt.model import GPT
+
+    recipe = tiny_recipe(
+        method="lora", lora={"r": 4, "alpha": 8, "dropout": 0.1, "targets": ["q", "k", "v", "o", "mlp", "head"]},
+        optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-2}}, merge=True,
+    )
+    result = litft.finetune(recipe)
+    trained = result.model
+    base_state = torch.load(tiny_checkpoint_dir / "lit_model.pth", weights_only=True)
+
+    changed_adapters = 0
+    for name, tensor in trained.state_dict().items():
+        if "lora_" in name:
+            changed_adapters += name.endswith("lora_B") and bool(tensor.abs().sum() > 0)
+        else:
+            base_name = name.replace("linear.", "")
+            assert torch.equal(tensor, base_state[base_name]), f"{name} changed but is frozen"
+    assert changed_adapters > 0
+
+    # merged checkpoint (written by the run with merge: true) == base + adapter, in fp32
+    merged = GPT(model_config(tiny_recipe(method="full")))
+    merged.load_state_dict(torch.load(result.out_dir / "final" / "merged" / "lit_model.pth", weights_only=True))
+    ids = torch.randint(0, 300, (2, 24))
+    torch.testing.assert_close(_logits(merged, ids), _logits(trained, ids), atol=1e-5, rtol=1e-5)
+
+    # and the stand-alone merge gives the same weights
+    again = tmp_path / "again.pth"
+    merge_lora_checkpoint(
+        tiny_checkpoint_dir / "lit_model.pth", result.out_dir / "final" / "lit_model.pth.lora", model_config(recipe), again
+    )
+    first = torch.load(result.out_dir / "final" / "merged" / "lit_model.pth", weights_only=True)
+    second = torch.load(again, weights_only=True)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_gradient_accumulation_is_equivalent_to_a_bigger_micro_batch(tiny_recipe, tmp_path):
+    """micro 8 x accumulation 1 and micro 2 x accumulation 4 see the same samples per step; the loss is normalised
+    by the step's loss tokens, so the updates agree to float rounding."""
+    common = dict(method="full", eval={"initial": False, "final": False, "interval": 0})
+    a = litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / "a"), train={"max_steps": 3, "micro_batch_size": 8}))
+    b = litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / "b"), train={"max_steps": 3, "micro_batch_size": 2}))
+    assert a.result["batch"]["grad_accum"] == 1 and b.result["batch"]["grad_accum"] == 4
+    losses_a = [r["loss"] for r in _read_rows(a.out_dir / "metrics.jsonl")]
+    losses_b = [r["loss"] for r in _read_rows(b.out_dir / "metrics.jsonl")]
+    assert losses_a == pytest.approx(losses_b, abs=1e-5)
+    for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4, msg=name)
