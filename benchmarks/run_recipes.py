@@ -1,0 +1,118 @@
+"""Run a named set of litft recipe runs, each in its own process, and record every figure with its command.
+
+    python benchmarks/run_recipes.py SET --out DIR
+
+Each run is `python -m litft.cli finetune --config RECIPE [overrides] --out_dir DIR/runs/NAME`. A run that fails
+(out of memory, exit 4; anything else) is recorded with its exit code and last message: in a sweep that is a
+result, not a crash. Writes DIR/SET.md (a table, the commands, GPU, driver and versions) and DIR/SET.json (each run's
+result.json). Speed and memory do not depend on weight values, so the GPU sets use `--init random` with the demo
+tokenizer (no download needed); token counts then follow that tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RANDOM = ["--init", "random", "--model.tokenizer_dir", "litft:demo/model"]
+QUIET = ["--logging.progress", "plain", "--logging.interval", "5", "--eval.initial", "false", "--eval.interval", "0"]
+
+# name -> list of (run name, recipe, overrides)
+SETS: dict[str, list[tuple[str, str, list[str]]]] = {
+    # Issue 2: the three TinyLlama recipes run 20+ steps on the GPU with random weights.
+    "issue2-tinyllama": [
+        ("tiny-llama-full", "tiny-llama-full", RANDOM + QUIET + ["--train.max_steps", "25"]),
+        ("tiny-llama-lora", "tiny-llama-lora", RANDOM + QUIET + ["--train.max_steps", "25"]),
+        ("tiny-llama-qlora", "tiny-llama-qlora", RANDOM + QUIET + ["--train.max_steps", "25"]),
+    ],
+    # A CPU smoke test of this script itself.
+    "cpu-smoke": [
+        ("demo-10-steps", "demo", QUIET + ["--train.max_steps", "10"]),
+    ],
+}
+
+
+def run_one(name: str, recipe: str, overrides: list[str], out: Path, timeout: int) -> dict:
+    run_dir = out / "runs" / name
+    command = [sys.executable, "-m", "litft.cli", "finetune", "--config", recipe, *overrides,
+               "--out_dir", str(run_dir), "--overwrite"]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as err:
+        code, stdout, stderr = 124, err.stdout or "", (err.stderr or "") + f"\ntimed out after {timeout}s"
+    wall = time.perf_counter() - started
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "log.txt").write_text(f"$ {shlex.join(command)}\n\n{stdout}\n--- stderr ---\n{stderr}")
+    result_path = run_dir / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.is_file() else None
+    message = [line for line in stderr.strip().splitlines() if line.startswith("litft")]
+    return {
+        "name": name,
+        "command": "litft finetune --config " + shlex.join([recipe, *overrides]),
+        "exit_code": code,
+        "wall_s": wall,
+        "message": message[-1] if message else (stderr.strip().splitlines() or [""])[-1],
+        "result": result,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| run | exit | steps | tok/s (real) | tok/s/GPU | padded tok/s | MFU | median step | peak alloc GiB |"
+            " peak reserved GiB | loss first -> last |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in rows:
+        r = row["result"]
+        if r is None or r.get("status") != "ok":
+            lines.append(f"| {row['name']} | {row['exit_code']} | | | | | | | | | {row['message'][:80]} |")
+            continue
+        t, m, lo = r["throughput"], r["memory"], r["losses"]
+        mfu = f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a"
+        alloc = f"{m['peak_allocated_gib']:.2f}" if m["peak_allocated_gib"] is not None else "n/a"
+        reserved = f"{m['peak_reserved_gib']:.2f}" if m["peak_reserved_gib"] is not None else "n/a"
+        lines.append(
+            f"| {row['name']} | {row['exit_code']} | {r['steps']} | {t['tokens_per_sec']:,.0f} |"
+            f" {t['tokens_per_sec_per_device']:,.0f} | {t['padded_tokens_per_sec']:,.0f} | {mfu} |"
+            f" {t['median_step_time_s'] * 1000:.1f} ms | {alloc} | {reserved} |"
+            f" {lo['train_first']:.3f} -> {lo['train_last']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("set", choices=sorted(SETS))
+    parser.add_argument("--out", type=Path, default=Path("out/bench"))
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from litft.metrics import environment
+
+    env = environment()
+    rows = []
+    for name, recipe, overrides in SETS[args.set]:
+        print(f"[{args.set}] {name} ...", flush=True)
+        rows.append(run_one(name, recipe, overrides, args.out, args.timeout))
+        print(f"    exit {rows[-1]['exit_code']} in {rows[-1]['wall_s']:.0f}s {rows[-1]['message'][:120]}", flush=True)
+
+    md = [f"# {args.set}", "", f"Command: `python benchmarks/run_recipes.py {args.set} --out DIR`", ""]
+    md += [f"- {k}: {v}" for k, v in env.items()]
+    md += ["", table(rows), "", "Runs (each: `litft finetune` in its own process):", ""]
+    md += [f"- {row['name']}: `{row['command']}`" for row in rows]
+    md += ["", "Definitions: tok/s counts real (non-padding) tokens over steady-state train time; see README Metrics."]
+    (args.out / f"{args.set}.md").write_text("\n".join(md) + "\n")
+    (args.out / f"{args.set}.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=2, default=str))
+    print("\n".join(md))
+    return 0 if all(row["exit_code"] == 0 for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

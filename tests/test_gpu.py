@@ -1,0 +1,55 @@
+"""GPU tests: run on the GPU machine with `python -m pytest -m gpu`. They are deselected by default (pyproject's
+addopts) and fail, rather than skip, when no GPU is present, so a run that claims them cannot pass silently."""
+
+import json
+
+import pytest
+import torch
+
+import litft
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA GPU; run them on the GPU machine"
+
+
+def _gpu_recipe(tiny_recipe, **overrides):
+    base = dict(accelerator="cuda", precision="bf16-true")
+    base.update(overrides)
+    return tiny_recipe(**base)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
+    result = litft.finetune(_gpu_recipe(tiny_recipe, method=method))
+    r = result.result
+    assert r["status"] == "ok" and r["steps"] == 4
+    assert r["memory"]["peak_allocated_gib"] > 0 and r["memory"]["peak_reserved_gib"] >= r["memory"]["peak_allocated_gib"]
+    if any(name in r["device"].lower() for name in ("h100", "h200", "a100")):
+        assert 0 < r["throughput"]["mfu"] < 1
+    assert next(result.model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "nf4-dq", "fp4"])
+def test_qlora_quantizes_the_base_and_trains_only_adapters(tiny_recipe, quantize):
+    import bitsandbytes as bnb
+
+    result = litft.finetune(
+        _gpu_recipe(tiny_recipe, method="qlora", quantize=quantize, lora={"r": 4, "alpha": 8, "targets": ["q", "v", "mlp"]})
+    )
+    assert result.status == "ok"
+    model = result.model
+    four_bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert four_bit, "the base linears should be bitsandbytes 4-bit layers"
+    assert all(m.weight.quant_state.quant_type == quantize.split("-")[0] for m in four_bit)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    adapter = torch.load(result.out_dir / "final" / "lit_model.pth.lora", weights_only=True)
+    assert set(adapter) and all("lora_" in k for k in adapter)
+    r = json.loads((result.out_dir / "result.json").read_text())
+    # parameter counts are logical (4-bit weights count their unpacked elements)
+    full = litft.finetune(_gpu_recipe(tiny_recipe, method="full", out_dir=str(result.out_dir) + "-full"))
+    assert r["parameters"]["total"] == full.result["parameters"]["total"]
