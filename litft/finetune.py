@@ -127,9 +127,16 @@ def main(fabric, recipe: Recipe) -> RunResult:
         say(f"data {line}")
     say(f"batch: {recipe.batch_arithmetic()}")
 
+    # ---- the predicted ledger (CPU, seconds) and the memory cap, before anything is on the GPU ----
+    config = model_config(recipe)
+    predicted = predict_memory(recipe, config)
+    if predicted is not None:
+        say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
+    if recipe.memory_cap is not None and fabric.device.type == "cuda":
+        apply_memory_cap(recipe, fabric, say)
+
     # ---- model, optimizer, loaders ----
     with phases("setup"):
-        config = model_config(recipe)
         fabric.seed_everything(recipe.seed)  # same seed on every rank: identical random init and LoRA A
         model = build_model(fabric, recipe, config)
         counts = count_parameters(model)
@@ -174,6 +181,7 @@ def main(fabric, recipe: Recipe) -> RunResult:
     progress = Progress(recipe.logging.progress, total_steps, enabled=is_main)
 
     status = "failed"
+    gpu: dict = {}
     losses: dict[str, float | None] = {"train_first": None, "train_last": None, "val_initial": None, "val_final": None}
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0}
     clock = metrics.StepClock(fabric.device)
@@ -182,11 +190,15 @@ def main(fabric, recipe: Recipe) -> RunResult:
             with phases("eval"):
                 losses["val_initial"] = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
             progress.print(f"val loss before training: {losses['val_initial']:.4f}")
-        with phases("train"):
-            fit(
-                fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader,
-                total_steps, flop_model, throughput, clock, writer, progress, losses, state, phases,
-            )
+        sampler = metrics.GpuSampler(fabric.device, recipe.logging.gpu_sample_interval)
+        try:
+            with phases("train"):
+                fit(
+                    fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader,
+                    total_steps, flop_model, throughput, clock, writer, progress, losses, state, phases, out_dir,
+                )
+        finally:
+            gpu = sampler.stop()
         if recipe.eval.final:
             with phases("eval"):
                 losses["val_final"] = evaluate(fabric, model, val_loader, None)
@@ -203,7 +215,7 @@ def main(fabric, recipe: Recipe) -> RunResult:
         clock.resolve()
         result = build_result(
             recipe, fabric, status, config, counts, data, state, losses, throughput.summary(clock.durations), phases,
-            out_dir, len(train_sampler),
+            out_dir, len(train_sampler), predicted, gpu,
         )
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
@@ -214,13 +226,16 @@ def main(fabric, recipe: Recipe) -> RunResult:
 
 def fit(
     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader, total_steps, flop_model,
-    throughput, clock, writer, progress, losses, state, phases,
+    throughput, clock, writer, progress, losses, state, phases, out_dir,
 ) -> None:
     """The loop: one iteration per optimizer step, `grad_accum` micro-batches each."""
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state)
+    mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
+    profiler = StepProfiler(recipe.logging.profile, out_dir / "profile", progress.print)
     while state["step"] < total_steps:
         step = state["step"] + 1
+        profiler.before(step)
         step_batches = [next(batches) for _ in range(accum)]
         # Normalise by the step's loss tokens over all ranks, so each loss token weighs the same however the global
         # batch is split into micro-batches and devices. DDP averages gradients over ranks, hence the x world_size.
@@ -234,9 +249,10 @@ def fit(
             input_ids = batch["input_ids"].to(fabric.device, non_blocking=True)
             labels = batch["labels"].to(fabric.device, non_blocking=True)
             with fabric.no_backward_sync(model, enabled=i < accum - 1):
-                logits = model(input_ids)
-                micro_loss = causal_lm_loss(logits, labels)
-                fabric.backward(micro_loss / denominator)
+                with mark("forward"):
+                    micro_loss = causal_lm_loss(model(input_ids), labels)
+                with mark("backward"):
+                    fabric.backward(micro_loss / denominator)
             loss_sum += micro_loss.detach()
 
         grad_norm = None
@@ -258,11 +274,13 @@ def fit(
                 f" {step - 1}. Try a lower optimizer.init_args.lr (now {recipe.optimizer.init_args.get('lr')}),"
                 " train.max_grad_norm, or precision bf16-mixed/32-true"
             )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with mark("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         clock.stop(step)
         state["step"] = step
+        profiler.after(step)
 
         throughput.add(
             metrics.StepRecord(
@@ -306,6 +324,70 @@ def fit(
             if writer is not None:
                 writer.write(row)
             progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
+
+
+@contextmanager
+def nvtx_range(name: str):
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+@contextmanager
+def no_range(name: str):
+    yield
+
+
+class StepProfiler:
+    """torch.profiler over optimizer steps START-END (logging.profile), written as a TensorBoard/Perfetto trace."""
+
+    def __init__(self, window: str | None, directory: Path, say) -> None:
+        self.start, self.end = (int(x) for x in window.split("-")) if window else (0, -1)
+        self.directory, self.say, self._prof = directory, say, None
+
+    def before(self, step: int) -> None:
+        if step == self.start:
+            from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(
+                activities=activities, record_shapes=True, profile_memory=True, with_stack=False,
+                on_trace_ready=tensorboard_trace_handler(str(self.directory)),
+            )
+            self._prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self._prof is not None and step == self.end:
+            self._prof.__exit__(None, None, None)
+            self._prof = None
+            self.say(f"profiler: steps {self.start}-{self.end} written to {self.directory} (tensorboard --logdir"
+                     f" {self.directory}, or open the .pt.trace.json in ui.perfetto.dev)")
+
+
+def predict_memory(recipe: Recipe, config):
+    """The ledger for this run; a failure to predict must not stop training, so it is reported and skipped."""
+    from litft.memory import estimate_memory
+
+    try:
+        return estimate_memory(recipe, config)
+    except Exception as err:  # e.g. an architecture the tracer cannot build on the CPU
+        print(f"memory: no prediction ({type(err).__name__}: {err})")
+        return None
+
+
+def apply_memory_cap(recipe: Recipe, fabric, say) -> None:
+    """Cap torch's allocator at memory_cap, so this GPU fails where a smaller one would."""
+    from litft.recipe import parse_memory_cap
+
+    total = torch.cuda.get_device_properties(fabric.device).total_memory / metrics.GIB
+    cap = parse_memory_cap(recipe.memory_cap, total)
+    if cap >= total:
+        say(f"memory: cap {cap:.1f} GiB is not below this GPU's {total:.1f} GiB; no cap applied")
+        return
+    torch.cuda.set_per_process_memory_fraction(cap / total, fabric.device)
+    say(f"memory: capped at {cap:.1f} GiB of {total:.1f} GiB (memory_cap {recipe.memory_cap})")
 
 
 def micro_batches(loader, sampler, epochs: int, state: dict):
@@ -418,7 +500,8 @@ def write_json_atomic(path: Path, value: dict) -> None:
 
 
 def build_result(
-    recipe, fabric, status, config, counts, data, state, losses, throughput, phases, out_dir, batches_per_epoch
+    recipe, fabric, status, config, counts, data, state, losses, throughput, phases, out_dir, batches_per_epoch,
+    predicted=None, gpu=None,
 ) -> dict:
     mem = metrics.memory_stats(fabric.device)
     if fabric.world_size > 1 and fabric.device.type == "cuda":
@@ -427,6 +510,17 @@ def build_result(
         peaks = fabric.all_reduce(peaks, reduce_op="max")
         mem["peak_allocated_gib"], mem["peak_reserved_gib"] = peaks.tolist()
     mem["host_peak_rss_gib"] = metrics.host_peak_rss_gib()
+    mem["cap_gib"] = None
+    if recipe.memory_cap is not None and fabric.device.type == "cuda":
+        from litft.recipe import parse_memory_cap
+
+        mem["cap_gib"] = parse_memory_cap(recipe.memory_cap, mem["device_total_gib"])
+    mem["predicted"] = predicted.as_dict() if predicted is not None else None
+    mem["error_pct"] = None
+    if predicted is not None and mem["peak_reserved_gib"]:
+        mem["error_pct"] = (predicted.total_gib - mem["peak_reserved_gib"]) / mem["peak_reserved_gib"] * 100
+    if gpu:
+        mem["device_used_peak_gib"] = gpu.get("device_used_peak_gib")
     return {
         "status": status,
         "out_dir": str(out_dir),
@@ -455,6 +549,7 @@ def build_result(
         "throughput": throughput,
         "memory": mem,
         "phases_s": phases.seconds,
+        "gpu": gpu or {},
         "device": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else "cpu",
         "environment": metrics.environment(),
         "definitions": metrics.DEFINITIONS,

@@ -37,6 +37,9 @@ DEFINITIONS = {
     "mfu": "model FLOP/s / (devices x peak dense FLOP/s at the compute dtype); "
     "FLOPs/token = 6 N_trainable + 4 N_frozen + 12 L d T (N = matmul weights, T = sample length)",
     "memory": "GiB = 2^30 bytes; torch peak allocated / reserved, max over ranks; device_used = total - free",
+    "memory.predicted": "litft's ledger (litft.memory) for this recipe; error_pct = (predicted reserved - measured"
+    " peak reserved) / measured peak reserved x 100",
+    "gpu": "NVML samples while training: device memory used (all processes) and utilisation (% of time a kernel ran)",
 }
 
 # Peak dense (no sparsity) FLOP/s per device, by a substring of torch.cuda.get_device_name() and compute dtype.
@@ -203,6 +206,52 @@ def memory_stats(device: torch.device) -> dict[str, float | None]:
         "device_used_gib": (total - free) / GIB,
         "device_total_gib": total / GIB,
     }
+
+
+class GpuSampler:
+    """Samples device memory used (all processes) and GPU utilisation through NVML on a background thread, so the
+    training loop pays nothing for it. No-op without a GPU or without nvidia-ml-py."""
+
+    def __init__(self, device: torch.device, interval: float) -> None:
+        import threading
+
+        self.used_gib: list[float] = []
+        self.utilization: list[float] = []
+        self._stop = threading.Event()
+        self._thread = None
+        if device.type != "cuda" or interval <= 0:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+        except Exception:  # no NVML: the figures stay empty and the result says so
+            return
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, name="litft-gpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.used_gib.append(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / GIB)
+                self.utilization.append(float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+            except Exception:
+                return
+
+    def stop(self) -> dict[str, float | int | None]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        return {
+            "samples": len(self.used_gib),
+            "device_used_peak_gib": max(self.used_gib) if self.used_gib else None,
+            "utilization_mean_pct": statistics.fmean(self.utilization) if self.utilization else None,
+            "utilization_min_pct": min(self.utilization) if self.utilization else None,
+        }
 
 
 def host_peak_rss_gib() -> float:

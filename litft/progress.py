@@ -110,9 +110,16 @@ def print_summary(result: dict) -> None:
 
 
 def _memory_line(mem: dict) -> str:
+    predicted = mem.get("predicted")
     if mem.get("peak_allocated_gib") is None:
-        return f"host peak RSS {mem['host_peak_rss_gib']:.2f} GiB (CPU run: no device memory)"
-    return (
+        line = f"host peak RSS {mem['host_peak_rss_gib']:.2f} GiB (CPU run: no device memory)"
+        if predicted:
+            line += f"; on a GPU the ledger predicts {predicted['total_gib']:.2f} GiB reserved"
+        return line
+    line = (
         f"{mem['peak_allocated_gib']:.2f} GiB allocated, {mem['peak_reserved_gib']:.2f} GiB reserved"
         f" (device used {mem['device_used_gib']:.2f} of {mem['device_total_gib']:.1f} GiB)"
     )
+    if predicted and mem.get("error_pct") is not None:
+        line += f"; predicted {predicted['total_gib']:.2f} GiB reserved ({mem['error_pct']:+.1f}%)"
+    return line

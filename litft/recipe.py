@@ -184,6 +184,17 @@ class LoggingConfig:
     """Optimizer steps at the start left out of the throughput figures (compilation, allocator and cache warm-up).
     Runs with no more steps than this report all steps and say so."""
 
+    profile: Optional[str] = None
+    """Record a torch profiler trace of optimizer steps START-END (e.g. '5-7') to out_dir/profile, viewable in
+    TensorBoard or Perfetto (ui.perfetto.dev)."""
+
+    nvtx: bool = False
+    """Mark forward, backward and optimizer phases with NVTX ranges, so an Nsight Systems capture
+    (nsys profile -t cuda,nvtx litft finetune ...) shows them by name."""
+
+    gpu_sample_interval: float = 0.5
+    """Seconds between NVML samples of device memory used and GPU utilisation while training (0: off)."""
+
 
 @dataclass
 class OptimizerSpec:
@@ -257,6 +268,10 @@ class Recipe:
 
     merge: bool = False
     """LoRA/QLoRA: also write a merged full checkpoint (base + adapter) to out_dir/final/merged."""
+
+    memory_cap: Optional[str] = None
+    """Make a large GPU behave like a smaller one: '24GiB' (an absolute cap) or '0.3' (a fraction of the GPU's
+    memory). torch's allocator then fails past the cap exactly as it would on the smaller GPU."""
 
     # ---- derived values: one definition each ----
 
@@ -699,6 +714,16 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
     if d.num_workers < 0:
         problems.append(f"data.num_workers: must be 0 or more, got {d.num_workers}")
 
+    if recipe.logging.profile is not None:
+        start, _, end = recipe.logging.profile.partition("-")
+        if not (start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
+            problems.append(f"logging.profile: '{recipe.logging.profile}' should be a step window START-END, e.g. 5-7")
+    if recipe.memory_cap is not None:
+        try:
+            parse_memory_cap(recipe.memory_cap, total_gib=80.0)
+        except ValueError as err:
+            problems.append(f"memory_cap: {err}")
+
     lr = recipe.optimizer.init_args.get("lr")
     if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
         problems.append(f"optimizer.init_args.lr: must be a positive number, got {lr!r}")
@@ -763,6 +788,23 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
             if value is not None and not resolve_path(value).is_file():
                 problems.append(f"{key}: no such file '{value}'")
     return problems
+
+
+def parse_memory_cap(text: str, total_gib: float) -> float:
+    """'24GiB' / '24' GiB -> 24.0; '0.3' (a fraction, < 1) -> 0.3 x total. Returns GiB."""
+    value = str(text).strip()
+    unit = value.lower()
+    if unit.endswith("gib") or unit.endswith("gb"):
+        if unit.endswith("gb") and not unit.endswith("gib"):
+            raise ValueError(f"'{text}': write GiB (2^30 bytes), the unit torch and litft report")
+        number = value[: -3]
+        gib = float(number)
+    else:
+        number = float(value)
+        gib = number * total_gib if number < 1 else number
+    if gib <= 0:
+        raise ValueError(f"'{text}' must be positive")
+    return gib
 
 
 def checkpoint_dir_problems(path: Path, key: str) -> list[str]:

@@ -1,0 +1,408 @@
+"""The predicted memory ledger of a recipe, per GPU: what `litft estimate` prints and every run writes beside its
+measured peak.
+
+Model state is counted from the parameters of the real architecture, built on the meta device (no memory, exact
+shapes): bytes per parameter by role and precision.
+
+                          weights   compute copies   gradients   optimizer state (AdamW)
+    full, bf16-true          2            -              2              2 x 2
+    full, bf16-mixed         4 (fp32)     2 (autocast)   4              2 x 4
+    LoRA base, bf16-true     2            -              -              -
+    LoRA base, bf16-mixed    4            2              -              -
+    QLoRA base (nf4)         0.5 + scales -              -              -
+
+Activations are not guessed: one transformer block of the same architecture, method and dtype runs on the CPU for a
+few tokens under `torch.autograd.graph.saved_tensors_hooks`, and every tensor autograd keeps for the backward pass
+(parameters excluded, shared storage counted once) is summed. That gives bytes per token per layer, exact for what
+the block saves; attention is flash/memory-efficient SDPA, which saves O(T) not O(T^2). With activation
+checkpointing a block keeps only its input, and one block's activations are live again while it is recomputed.
+
+The peak is taken when one micro-batch's activations are all alive at the start of the backward pass, together
+with the weights, the optimizer state, the gradients (present while accumulating) and the loss computation's
+buffers (logits and their gradient). torch's caching allocator reserves more than it allocates; the measured
+ratio of peak reserved to peak allocated is applied as `allocator_overhead`. The CUDA context (not part of torch's
+reserved figure, but part of the GPU's memory) is listed apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from litft.recipe import Recipe
+
+GIB = 2**30
+
+# Reserved / allocated at the peak, as measured on the GPU runs recorded in benchmarks/ (see benchmarks/README.md).
+ALLOCATOR_OVERHEAD = 1.05
+# CUDA context + cuBLAS/cuDNN workspaces: on the GPU but outside torch's reserved figure (measured: device used
+# minus torch reserved on an otherwise idle H100, benchmarks/).
+CUDA_CONTEXT_GIB = 0.5
+
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def _param_dtype(precision: str) -> torch.dtype:
+    """The dtype Fabric stores parameters in: -mixed keeps fp32 weights and casts per op (autocast)."""
+    if precision in ("bf16-true",):
+        return torch.bfloat16
+    if precision in ("16-true",):
+        return torch.float16
+    return torch.float32
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+@dataclass
+class Part:
+    name: str
+    gib: float
+    detail: str
+
+
+@dataclass
+class MemoryEstimate:
+    """A ledger of predicted GPU memory (GiB, per GPU) and the host memory the run needs."""
+
+    parts: list[Part]
+    allocated_gib: float
+    """Predicted peak allocated by torch."""
+    total_gib: float
+    """Predicted peak reserved by torch's allocator (allocated x allocator overhead): compare with the measured peak
+    reserved memory."""
+    device_gib: float
+    """total_gib plus the CUDA context: what the GPU must have."""
+    host_gib: float
+    activations_per_token_layer: int
+    """Bytes one token keeps per transformer block (the traced figure)."""
+    tokens: int
+    """Tokens per micro-batch the activations were sized for (micro_batch_size x max_seq_length)."""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["parts"] = {p.name: {"gib": p.gib, "detail": p.detail} for p in self.parts}
+        return out
+
+    def lines(self) -> list[str]:
+        width = max(len(p.name) for p in self.parts)
+        rows = [f"  {p.name:<{width}}  {p.gib:8.2f} GiB   {p.detail}" for p in self.parts]
+        rows += [
+            f"  {'= peak allocated':<{width}}  {self.allocated_gib:8.2f} GiB",
+            f"  {'= peak reserved':<{width}}  {self.total_gib:8.2f} GiB   (x{ALLOCATOR_OVERHEAD} allocator overhead)",
+            f"  {'+ CUDA context':<{width}}  {self.device_gib:8.2f} GiB   on the device (context ~{CUDA_CONTEXT_GIB} GiB)",
+        ]
+        return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model state
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _meta_model(recipe: Recipe, config):
+    """The recipe's model on the meta device: exact parameter shapes and trainable flags, no memory."""
+    if recipe.method in ("lora", "qlora"):
+        from litgpt.lora import GPT, mark_only_lora_as_trainable
+    else:
+        from litgpt.model import GPT
+
+        mark_only_lora_as_trainable = None
+    with torch.device("meta"):
+        model = GPT(config)
+    if mark_only_lora_as_trainable is not None:
+        mark_only_lora_as_trainable(model)
+    return model
+
+
+def _quantized_bytes_per_param(quantize: str) -> float:
+    """4-bit weights: 0.5 byte + one fp32 absmax per block of 64 (4/64 B); double quantization stores the absmax in
+    8 bits (1/64 B) plus one fp32 per 256 absmax blocks (bitsandbytes' defaults)."""
+    if quantize.endswith("-dq"):
+        return 0.5 + 1 / 64 + 4 / (64 * 256)
+    return 0.5 + 4 / 64
+
+
+def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_bytes: int) -> tuple[float, str]:
+    """Bytes of optimizer state for these trainable parameters, and a description."""
+    path = recipe.optimizer.class_path
+    args = recipe.optimizer.init_args
+    name = path.rpartition(".")[2]
+    n = sum(p.numel() for p in trainable)
+    if path.startswith("bitsandbytes."):
+        eight_bit = "8bit" in name
+        states = 1 if "Momentum" in name or name.startswith(("SGD", "Lion", "RMSprop")) else 2
+        if eight_bit:
+            # blockwise 8-bit state (+ an fp32 absmax per 256 values) for tensors of >= min_8bit_size elements;
+            # smaller tensors keep 32-bit state
+            small = int(args.get("min_8bit_size", 4096))
+            big = sum(p.numel() for p in trainable if p.numel() >= small)
+            total = states * (big * (1 + 4 / 256) + (n - big) * 4)
+            return total, f"{states} x 8-bit blockwise state ({name})"
+        paged = " (paged: may move to host memory under pressure)" if "Paged" in name else ""
+        return states * n * 4, f"{states} x fp32 state ({name}){paged}"
+    if name in ("AdamW", "Adam", "NAdam", "RAdam", "Adamax"):
+        extra = 1 if args.get("amsgrad") else 0
+        return (2 + extra) * n * param_bytes, f"{2 + extra} moments x {param_bytes} B (AdamW keeps state in the param dtype)"
+    if name == "SGD":
+        if float(args.get("momentum", 0) or 0) > 0:
+            return n * param_bytes, f"momentum buffer x {param_bytes} B"
+        return 0.0, "none (SGD without momentum keeps no state)"
+    if name in ("Adagrad", "RMSprop", "Adadelta"):
+        return n * param_bytes * (2 if name == "Adadelta" else 1), f"state of {name}"
+    return 2 * n * param_bytes, f"unknown optimizer {name}: assumed 2 states x {param_bytes} B"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activations, traced
+# ----------------------------------------------------------------------------------------------------------------------
+
+_TRACE_CACHE: dict[tuple, int] = {}
+
+
+def activation_bytes_per_token_layer(recipe: Recipe, config) -> int:
+    """Bytes autograd saves per token in one transformer block of this architecture, method and precision.
+
+    Traced at two token counts and taken as the slope, so that anything saved once per step rather than per token
+    (autocast's 16-bit weight casts, rotary tables) cancels out."""
+    key = (repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets), recipe.lora.dropout)
+    if key not in _TRACE_CACHE:
+        small, large = _saved_bytes(recipe, config, 16), _saved_bytes(recipe, config, 48)
+        _TRACE_CACHE[key] = math.ceil((large - small) / (48 - 16))
+    return _TRACE_CACHE[key]
+
+
+def _saved_bytes(recipe: Recipe, config, tokens: int) -> int:
+    """Run one block forward on the CPU and sum the storage of every tensor saved for backward (parameters,
+    buffers and the rotary tables excluded; storage shared by several saved views counted once).
+
+    QLoRA is traced unquantized: a frozen bitsandbytes 4-bit matmul keeps the same activations as a frozen 16-bit
+    one (it needs the weight, not the input, for the input gradient), and quantizing on the CPU is slow."""
+    from litgpt.model import build_rope_cache
+
+    if recipe.method in ("lora", "qlora"):
+        from litgpt.lora import Block, mark_only_lora_as_trainable
+    else:
+        from litgpt.model import Block
+
+        mark_only_lora_as_trainable = None
+
+    param_dtype = _param_dtype(recipe.precision)
+    compute = _compute_dtype(recipe.precision)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        # uninitialised weights (meta, then to_empty): sizes of saved tensors do not depend on values
+        with torch.device("meta"):
+            block = Block(config, 0).to(param_dtype)
+        block = block.to_empty(device="cpu")
+        if mark_only_lora_as_trainable is not None:
+            mark_only_lora_as_trainable(block)
+        block.train()
+        x = torch.randn(1, tokens, config.n_embd, dtype=compute, requires_grad=True)
+        cos, sin = build_rope_cache(tokens, config.rope_n_elem, device=torch.device("cpu"))
+        cos, sin = cos.unsqueeze(0).to(compute), sin.unsqueeze(0).to(compute)
+
+        excluded = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers(), cos, sin]}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in excluded and ptr not in saved:
+                saved[ptr] = storage.nbytes()
+            return t
+
+        autocast = torch.autocast("cpu", dtype=compute) if recipe.precision.endswith("-mixed") else _null()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            block(x, cos, sin)
+    return sum(saved.values())
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The ledger
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def estimate_memory(recipe: Recipe, config=None) -> MemoryEstimate:
+    """Predict the peak GPU memory of a recipe, per GPU, part by part."""
+    from litft.model import model_config
+
+    config = config or model_config(recipe)
+    model = _meta_model(recipe, config)
+    param_dtype = _param_dtype(recipe.precision)
+    pbytes = _BYTES[param_dtype]
+    compute_bytes = _BYTES[_compute_dtype(recipe.precision)]
+    mixed = recipe.precision.endswith("-mixed")
+    qlora = recipe.method == "qlora"
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)
+    n_frozen = sum(p.numel() for _, p in frozen)
+
+    parts: list[Part] = []
+    # weights
+    if qlora:
+        linear_frozen = sum(p.numel() for n, p in frozen if n.endswith("linear.weight") or n.endswith("lm_head.weight"))
+        other_frozen = n_frozen - linear_frozen
+        q = _quantized_bytes_per_param(recipe.quantize)
+        weights = linear_frozen * q + other_frozen * pbytes + n_trainable * pbytes
+        detail = (f"{linear_frozen / 1e9:.2f}B linear weights x {q:.3f} B ({recipe.quantize}) +"
+                  f" {(other_frozen + n_trainable) / 1e6:.1f}M others x {pbytes} B")
+    else:
+        weights = (n_trainable + n_frozen) * pbytes
+        detail = f"{(n_trainable + n_frozen) / 1e9:.3f}B params x {pbytes} B ({param_dtype})".replace("torch.", "")
+        if mixed:
+            detail += ": the fp32 master weights of -mixed"
+    parts.append(Part("weights", weights / GIB, detail))
+    if mixed:
+        # autocast casts each weight to 16 bits for its matmul and keeps the cast for the backward pass
+        cast = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n) * compute_bytes
+        parts.append(Part("16-bit weight copies", cast / GIB, "autocast's per-step casts, kept for the backward pass"))
+
+    grads = n_trainable * pbytes
+    parts.append(Part("gradients", grads / GIB, f"{n_trainable / 1e6:.1f}M trainable x {pbytes} B"))
+    opt_bytes, opt_detail = _optimizer_state_bytes(recipe, trainable, pbytes)
+    parts.append(Part("optimizer state", opt_bytes / GIB, opt_detail))
+
+    # activations
+    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length
+    per_token_layer = activation_bytes_per_token_layer(recipe, config)
+    if recipe.train.activation_checkpointing:
+        block_input = config.n_embd * compute_bytes
+        acts = tokens * (config.n_layer * block_input + per_token_layer)
+        act_detail = (f"{tokens:,} tokens x ({config.n_layer} blocks x {block_input:,} B kept input + one block"
+                      f" recomputed {per_token_layer:,} B)")
+    else:
+        acts = tokens * config.n_layer * per_token_layer
+        act_detail = f"{tokens:,} tokens x {config.n_layer} blocks x {per_token_layer:,} B/token/block (traced)"
+    parts.append(Part("activations", acts / GIB, act_detail))
+
+    # the loss: lm_head output in the compute dtype, its fp32 upcast inside the loss, log-softmax saved for the
+    # backward pass, and the logits' gradient: 2 + 4 + 4 + 2 bytes per (token x vocabulary entry) at the peak
+    vocab = config.padded_vocab_size
+    loss_bytes = tokens * vocab * (compute_bytes + 4 + 4 + compute_bytes)
+    parts.append(Part("logits and loss", loss_bytes / GIB, f"{tokens:,} tokens x {vocab:,} vocab x 12 B"))
+
+    allocated = sum(p.gib for p in parts)
+    total = allocated * ALLOCATOR_OVERHEAD
+    notes = []
+    if recipe.grad_accum == 1 and recipe.method == "full":
+        notes.append("accumulation 1: gradients and a micro-batch's activations overlap only in part; the ledger"
+                     " counts both in full (an upper bound)")
+    host = (n_trainable + n_frozen) * pbytes / GIB  # loading a checkpoint memory-maps it; about one copy at most
+    return MemoryEstimate(
+        parts=parts,
+        allocated_gib=allocated,
+        total_gib=total,
+        device_gib=total + CUDA_CONTEXT_GIB,
+        host_gib=host,
+        activations_per_token_layer=per_token_layer,
+        tokens=tokens,
+        notes=notes,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What would fit
+# ----------------------------------------------------------------------------------------------------------------------
+
+# Changes in the order of how much they alter the training: same maths first, then precision, optimizer, method, data.
+def _candidate_changes(recipe: Recipe) -> list[tuple[str, dict]]:
+    t = recipe.train
+    out: list[tuple[str, dict]] = []
+    micro = t.micro_batch_size // 2
+    while micro >= 1:
+        out.append((f"train.micro_batch_size {micro} (same global batch, more accumulation)",
+                    {"train": {"micro_batch_size": micro}}))
+        micro //= 2
+    if not t.activation_checkpointing:
+        out.append(("train.activation_checkpointing true (~30% more compute)", {"train": {"activation_checkpointing": True}}))
+    if recipe.precision.endswith("-mixed"):
+        out.append(("precision bf16-true (no fp32 master weights or fp32 Adam state)", {"precision": "bf16-true"}))
+    if recipe.method == "full":
+        out.append(("optimizer bitsandbytes.optim.AdamW8bit (8-bit Adam state)",
+                    {"optimizer": {"class_path": "bitsandbytes.optim.AdamW8bit"}}))
+        out.append(("optimizer torch.optim.SGD, momentum 0 (no optimizer state)",
+                    {"optimizer": {"class_path": "torch.optim.SGD", "init_args": {"momentum": 0.0}}}))
+        out.append(("method lora (frozen weights, small adapters)", {"method": "lora"}))
+    if recipe.method in ("full", "lora") and not recipe.precision.endswith("-mixed"):
+        out.append(("method qlora, quantize nf4-dq (4-bit frozen weights)", {"method": "qlora", "quantize": "nf4-dq"}))
+    if recipe.data.max_seq_length >= 256:
+        out.append((f"data.max_seq_length {recipe.data.max_seq_length // 2} (truncates long samples)",
+                    {"data": {"max_seq_length": recipe.data.max_seq_length // 2}}))
+    return out
+
+
+def _apply(recipe: Recipe, change: dict) -> Recipe:
+    updates = {}
+    for key, value in change.items():
+        if isinstance(value, dict) and key != "optimizer":
+            updates[key] = dataclasses.replace(getattr(recipe, key), **value)
+        elif key == "optimizer":
+            spec = recipe.optimizer
+            cls_path = value.get("class_path", spec.class_path)
+            module_name, _, class_name = cls_path.rpartition(".")
+            params = inspect.signature(getattr(importlib.import_module(module_name), class_name).__init__).parameters
+            args = {k: v for k, v in spec.init_args.items() if k in params}
+            args.update(value.get("init_args", {}))
+            updates[key] = dataclasses.replace(spec, class_path=cls_path, init_args=args)
+        else:
+            updates[key] = value
+    return dataclasses.replace(recipe, **updates)
+
+
+def what_would_fit(recipe: Recipe, budget_gib: float) -> list[dict[str, Any]]:
+    """Single changes (and, when none fits alone, pairs) that bring the predicted device memory under the budget,
+    least intrusive first, each with the GiB it saves."""
+    base = estimate_memory(recipe)
+    changes = _candidate_changes(recipe)
+    results = []
+    for label, change in changes:
+        est = estimate_memory(_apply(recipe, change))
+        results.append({"change": label, "overrides": change, "device_gib": est.device_gib,
+                        "saving_gib": base.device_gib - est.device_gib, "fits": est.device_gib <= budget_gib})
+    fitting = [r for r in results if r["fits"]]
+    if fitting:
+        return fitting
+    pairs = []
+    for i, (label_a, change_a) in enumerate(changes):
+        for label_b, change_b in changes[i + 1 :]:
+            if set(change_a) & set(change_b) - {"train"}:
+                continue
+            merged = _merge(change_a, change_b)
+            est = estimate_memory(_apply(recipe, merged))
+            if est.device_gib <= budget_gib:
+                pairs.append({"change": f"{label_a} + {label_b}", "overrides": merged, "device_gib": est.device_gib,
+                              "saving_gib": base.device_gib - est.device_gib, "fits": True})
+    return pairs[:8]
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in a.items()}
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = v
+    return out
