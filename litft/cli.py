@@ -20,6 +20,8 @@ commands:
   finetune --config NAME|PATH [--key value ...] [--overwrite]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
   env                                         versions, GPUs and what litft can use on this machine
+  compare PATH... [--format md|csv|json] [--fields f1,f2] [--by KEY] [--sort [-]KEY] [--plot DIR]
+                                              a table (and charts) of runs: run dirs or sweep/bench dirs
 
 `litft finetune --help` lists every recipe key with its meaning.
 """
@@ -213,6 +215,29 @@ def cmd_env(args: list[str]) -> int:
     return 0
 
 
+def cmd_compare(args: list[str]) -> int:
+    from litft import report
+
+    if "-h" in args or "--help" in args:
+        print(report.__doc__)
+        return 0
+    fmt = _take_option(args, "--format") or "md"
+    fields = _take_option(args, "--fields")
+    by = _take_option(args, "--by")
+    sort = _take_option(args, "--sort")
+    plot_dir = _take_option(args, "--plot")
+    options = [a for a in args if a.startswith("--")]
+    if options:
+        known = ["--format", "--fields", "--by", "--sort", "--plot"]
+        hints = [f"'{o}'" + (f" (did you mean '{c[0]}'?)" if (c := difflib.get_close_matches(o.split("=")[0], known,
+                 n=1)) else "") for o in options]
+        raise ConfigError(f"compare: unknown option {', '.join(hints)}; options: {', '.join(known)}")
+    if not args:
+        raise ConfigError("compare needs at least one PATH: a run dir (with result.json) or a sweep/bench dir;"
+                          " litft compare --help")
+    return report.compare(args, fmt=fmt, fields=fields, by=by, plot_dir=plot_dir, sort=sort)
+
+
 COMMANDS = {
     "finetune": cmd_finetune,
     "validate": cmd_validate,
@@ -220,6 +245,7 @@ COMMANDS = {
     "show": cmd_show,
     "cp": cmd_cp,
     "env": cmd_env,
+    "compare": cmd_compare,
 }
 
 if __name__ == "__main__":
