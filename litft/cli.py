@@ -17,6 +17,8 @@ commands:
   show NAME|PATH [--resolved]                 a recipe's YAML (with its comments), or the resolved config
   cp NAME DEST [--force]                      copy a shipped recipe to edit it
   validate NAME|PATH [--key value ...]        check a recipe and overrides without running it
+  estimate --config NAME|PATH [--gpu-memory 80] [--key value ...]
+                                              predicted GPU memory, part by part, and what would fit
   finetune --config NAME|PATH [--key value ...] [--overwrite]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
   env                                         versions, GPUs and what litft can use on this machine
@@ -102,6 +104,55 @@ def cmd_finetune(args: list[str]) -> int:
 
     result = finetune(recipe, overwrite=overwrite)
     return 0 if result.status == "ok" else 1
+
+
+def cmd_estimate(args: list[str]) -> int:
+    """Predicted GPU memory of a recipe, part by part, a verdict against a GPU's memory, and what would fit."""
+    import json as json_module
+
+    from litft.memory import estimate_memory, what_would_fit
+    from litft.recipe import load_recipe, parse_memory_cap
+
+    gpu_memory = _take_option(args, "--gpu-memory")
+    as_json = _take_flag(args, "--json")
+    config = _take_option(args, "--config")
+    if config is None:
+        if args and not args[0].startswith("--"):
+            config = args.pop(0)
+        else:
+            raise ConfigError("estimate needs a recipe: litft estimate --config NAME|PATH [--gpu-memory 80] [overrides]")
+    recipe = load_recipe(config, args=args, validate_paths=False)
+    budget = None
+    if gpu_memory is not None:
+        try:
+            budget = parse_memory_cap(gpu_memory if gpu_memory.lower().endswith("gib") else f"{gpu_memory}GiB", 1.0)
+        except ValueError as err:
+            raise ConfigError(f"--gpu-memory: {err}") from None
+    elif recipe.memory_cap is not None:
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+        budget = parse_memory_cap(recipe.memory_cap, total)
+    est = estimate_memory(recipe)
+    fits = what_would_fit(recipe, budget) if budget is not None and est.device_gib > budget else []
+    if as_json:
+        print(json_module.dumps({"estimate": est.as_dict(), "budget_gib": budget, "would_fit": fits}, indent=2))
+        return 0
+    print(f"{config}: {recipe.method} {recipe.precision}, {recipe.batch_arithmetic()}")
+    print(f"predicted GPU memory per device ({recipe.devices} device(s)):")
+    print("\n".join(est.lines()))
+    for note in est.notes:
+        print(f"  note: {note}")
+    if budget is not None:
+        verdict = "fits" if est.device_gib <= budget else "does NOT fit"
+        print(f"verdict: {est.device_gib:.1f} GiB {verdict} in {budget:.1f} GiB")
+        if fits:
+            print("changes that would fit, least intrusive first (predicted GiB, saving):")
+            for f in fits:
+                print(f"  - {f['change']}: {f['device_gib']:.1f} GiB (-{f['saving_gib']:.1f})")
+        elif est.device_gib > budget:
+            print("no single change or pair of changes fits; consider more GPUs (sharding) or a smaller model")
+    return 0
 
 
 def cmd_validate(args: list[str]) -> int:
@@ -241,6 +292,7 @@ def cmd_compare(args: list[str]) -> int:
 COMMANDS = {
     "finetune": cmd_finetune,
     "validate": cmd_validate,
+    "estimate": cmd_estimate,
     "ls": cmd_ls,
     "show": cmd_show,
     "cp": cmd_cp,

@@ -532,6 +532,53 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, An
     }
 
 
+PACK_MULTIPLE = 16
+"""A packed row is padded up to a multiple of this many positions (aligned matmuls; fewer distinct shapes for
+torch.compile): at most 15 padded positions per micro-batch."""
+
+
+def collate_packed(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, Any]:
+    """Concatenate a micro-batch's samples into ONE row, with attention kept within each sample ("padding-free").
+
+    Same samples as :func:`collate` (so the same loss and batch arithmetic), but no padding to the longest sample:
+    the model sees B x mean-length positions instead of B x max-length. Each sample restarts its positions at 0
+    (rotary embeddings see the same positions as unpacked), and ``cu_seqlens`` marks where each sample starts, so
+    attention never crosses a sample boundary. The row is padded to a multiple of PACK_MULTIPLE; the padding is a
+    segment of its own with no loss.
+
+    Returns input_ids/labels/positions of shape (1, N), ``cu_seqlens`` (int32, one more than the segments),
+    ``max_length`` (the longest segment) and the same counts as :func:`collate`.
+    """
+    lengths = [len(sample["input_ids"]) for sample in samples]
+    total = sum(lengths)
+    width = -(-total // PACK_MULTIPLE) * PACK_MULTIPLE
+    input_ids = torch.full((1, width), pad_id, dtype=torch.int64)
+    labels = torch.full((1, width), IGNORE_INDEX, dtype=torch.int64)
+    positions = torch.zeros((1, width), dtype=torch.int64)
+    boundaries = [0]
+    for sample, length in zip(samples, lengths):
+        start = boundaries[-1]
+        input_ids[0, start : start + length] = sample["input_ids"]
+        labels[0, start : start + length] = sample["labels"]
+        positions[0, start : start + length] = torch.arange(length)
+        boundaries.append(start + length)
+    if width > total:  # the padding tail: its own segment, so no real token attends to it
+        positions[0, total:] = torch.arange(width - total)
+        boundaries.append(width)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "positions": positions,
+        "cu_seqlens": torch.tensor(boundaries, dtype=torch.int32),
+        "max_length": max(max(lengths), width - total),
+        "tokens_real": total,
+        "tokens_padded": width,
+        "loss_tokens": int((labels != IGNORE_INDEX).sum()),
+        "samples": len(samples),
+        "lengths": lengths,
+    }
+
+
 def choose_pad_id(tokenizer: Tokenizer) -> int:
     """The tokenizer's pad id if it has one, else its EOS id, else 0. Padded positions get no loss and are masked
     by causality for the real tokens before them, so any valid id will do."""
@@ -715,8 +762,10 @@ class EpochBatchSampler(Sampler[list[int]]):
         self._batch_index = batch_index
 
 
-def build_dataloader(dataset: SFTDataset, sampler: EpochBatchSampler, pad_id: int, num_workers: int) -> DataLoader:
-    """A DataLoader driven by ``sampler`` (as its batch_sampler) and :func:`collate`.
+def build_dataloader(
+    dataset: SFTDataset, sampler: EpochBatchSampler, pad_id: int, num_workers: int, packing: bool = False
+) -> DataLoader:
+    """A DataLoader driven by ``sampler`` (as its batch_sampler) and :func:`collate` (or :func:`collate_packed`).
 
     The collate function is a ``functools.partial`` of a module-level function, so it pickles into worker processes
     under any start method. Memory is pinned only when CUDA is present (pinning on a CPU-only machine warns and helps
@@ -726,7 +775,7 @@ def build_dataloader(dataset: SFTDataset, sampler: EpochBatchSampler, pad_id: in
     return DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=functools.partial(collate, pad_id=pad_id),
+        collate_fn=functools.partial(collate_packed if packing else collate, pad_id=pad_id),
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,

@@ -23,10 +23,12 @@ import torch
 from litft import metrics
 from litft.errors import ConfigError, DataError, LitftError, NonFiniteLossError, OutOfMemoryError
 from litft.model import (
+    CausalLM,
     apply_activation_checkpointing,
     build_model,
-    causal_lm_loss,
+    compile_blocks,
     count_parameters,
+    use_fast_layers,
     merge_lora_checkpoint,
     model_config,
     trainable_state_dict,
@@ -129,7 +131,7 @@ def main(fabric, recipe: Recipe) -> RunResult:
 
     # ---- the predicted ledger (CPU, seconds) and the memory cap, before anything is on the GPU ----
     config = model_config(recipe)
-    predicted = predict_memory(recipe, config)
+    predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths))
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
     if recipe.memory_cap is not None and fabric.device.type == "cuda":
@@ -138,15 +140,22 @@ def main(fabric, recipe: Recipe) -> RunResult:
     # ---- model, optimizer, loaders ----
     with phases("setup"):
         fabric.seed_everything(recipe.seed)  # same seed on every rank: identical random init and LoRA A
-        model = build_model(fabric, recipe, config)
-        counts = count_parameters(model)
+        gpt = build_model(fabric, recipe, config)
+        counts = count_parameters(gpt)
         say(
             f"model: {config.name}, {counts.total:,} parameters, {counts.trainable:,} trainable"
             f" ({100 * counts.trainable / counts.total:.2f}%)"
         )
+        use_fast_layers(gpt)
         if recipe.train.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        model = fabric.setup_module(model)
+            apply_activation_checkpointing(gpt)
+        compiled = recipe.train.compile == "always" or (recipe.train.compile == "auto" and fabric.device.type == "cuda")
+        if compiled:
+            compile_blocks(gpt)
+        say(f"speed: packing {'on' if recipe.data.packing else 'off'}, torch.compile {'on' if compiled else 'off'},"
+            f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
+            f" {'on' if recipe.train.activation_checkpointing else 'off'}")
+        model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk))
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
 
         train_sampler = EpochBatchSampler(
@@ -159,8 +168,8 @@ def main(fabric, recipe: Recipe) -> RunResult:
         )
         # The samplers already give each rank its share, so Fabric must not add a DistributedSampler.
         train_loader, val_loader = fabric.setup_dataloaders(
-            build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers),
-            build_dataloader(data.val, val_sampler, data.pad_id, recipe.data.num_workers),
+            build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers, recipe.data.packing),
+            build_dataloader(data.val, val_sampler, data.pad_id, recipe.data.num_workers, recipe.data.packing),
             use_distributed_sampler=False,
             move_to_device=False,  # the loop moves the two tensors itself; the counts stay plain ints
         )
@@ -221,7 +230,13 @@ def main(fabric, recipe: Recipe) -> RunResult:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
         print_summary(result)
-    return RunResult(out_dir=out_dir, result=result, model=model.module if hasattr(model, "module") else model)
+    return RunResult(out_dir=out_dir, result=result, model=unwrap(model))
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The LitGPT GPT inside Fabric's wrapper and litft's CausalLM."""
+    module = model.module if hasattr(model, "module") else model
+    return module.gpt if isinstance(module, CausalLM) else module
 
 
 def fit(
@@ -246,11 +261,9 @@ def fit(
         clock.start()
         loss_sum = torch.zeros((), device=fabric.device)
         for i, batch in enumerate(step_batches):
-            input_ids = batch["input_ids"].to(fabric.device, non_blocking=True)
-            labels = batch["labels"].to(fabric.device, non_blocking=True)
             with fabric.no_backward_sync(model, enabled=i < accum - 1):
                 with mark("forward"):
-                    micro_loss = causal_lm_loss(model(input_ids), labels)
+                    micro_loss = model(**model_inputs(batch, fabric.device))
                 with mark("backward"):
                     fabric.backward(micro_loss / denominator)
             loss_sum += micro_loss.detach()
@@ -366,12 +379,24 @@ class StepProfiler:
                      f" {self.directory}, or open the .pt.trace.json in ui.perfetto.dev)")
 
 
-def predict_memory(recipe: Recipe, config):
+def worst_case_tokens(recipe: Recipe, lengths: torch.Tensor) -> int:
+    """Positions of the largest micro-batch the data can form: the B longest samples packed (rounded up to the
+    packing multiple), or B rows of the longest sample when padding."""
+    from litft.data import PACK_MULTIPLE
+
+    b = min(recipe.train.micro_batch_size, len(lengths))
+    longest = torch.sort(lengths, descending=True).values[:b]
+    if recipe.data.packing:
+        return int(-(-int(longest.sum()) // PACK_MULTIPLE) * PACK_MULTIPLE)
+    return int(longest[0]) * recipe.train.micro_batch_size
+
+
+def predict_memory(recipe: Recipe, config, tokens: int):
     """The ledger for this run; a failure to predict must not stop training, so it is reported and skipped."""
     from litft.memory import estimate_memory
 
     try:
-        return estimate_memory(recipe, config)
+        return estimate_memory(recipe, config, tokens=tokens)
     except Exception as err:  # e.g. an architecture the tracer cannot build on the CPU
         print(f"memory: no prediction ({type(err).__name__}: {err})")
         return None
@@ -388,6 +413,16 @@ def apply_memory_cap(recipe: Recipe, fabric, say) -> None:
         return
     torch.cuda.set_per_process_memory_fraction(cap / total, fabric.device)
     say(f"memory: capped at {cap:.1f} GiB of {total:.1f} GiB (memory_cap {recipe.memory_cap})")
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    """The tensors CausalLM.forward takes, on the device (copies overlap with compute: pinned memory, non_blocking)."""
+    inputs = {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "labels")}
+    if "cu_seqlens" in batch:
+        inputs["positions"] = batch["positions"].to(device, non_blocking=True)
+        inputs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
+        inputs["max_length"] = batch["max_length"]
+    return inputs
 
 
 def micro_batches(loader, sampler, epochs: int, state: dict):
@@ -454,8 +489,7 @@ def evaluate(fabric, model, loader, max_batches: int | None) -> float:
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        logits = model(batch["input_ids"].to(fabric.device))
-        total[0] += causal_lm_loss(logits, batch["labels"].to(fabric.device))
+        total[0] += model(**model_inputs(batch, fabric.device))
         total[1] += batch["loss_tokens"]
     if fabric.world_size > 1:
         total = fabric.all_reduce(total, reduce_op="sum")
@@ -468,7 +502,8 @@ def save_final(fabric, recipe: Recipe, config, model, out_dir: Path) -> None:
     """out_dir/final: lit_model.pth (full) or lit_model.pth.lora (adapter), with the files LitGPT's tools need."""
     final = out_dir / "final"
     is_lora = recipe.method in ("lora", "qlora")
-    state = trainable_state_dict(model) if is_lora else model.state_dict()
+    gpt = unwrap(model)
+    state = trainable_state_dict(gpt) if is_lora else gpt.state_dict()
     if fabric.global_rank == 0:
         write_checkpoint_files(recipe, config, final)
         name = "lit_model.pth.lora" if is_lora else "lit_model.pth"

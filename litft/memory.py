@@ -243,8 +243,11 @@ class _null:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def estimate_memory(recipe: Recipe, config=None) -> MemoryEstimate:
-    """Predict the peak GPU memory of a recipe, per GPU, part by part."""
+def estimate_memory(recipe: Recipe, config=None, tokens: int | None = None) -> MemoryEstimate:
+    """Predict the peak GPU memory of a recipe, per GPU, part by part.
+
+    `tokens`: positions in the largest micro-batch (a run passes what its data can form); by default the recipe's
+    bound, micro_batch_size x max_seq_length."""
     from litft.model import model_config
 
     config = config or model_config(recipe)
@@ -286,7 +289,7 @@ def estimate_memory(recipe: Recipe, config=None) -> MemoryEstimate:
     parts.append(Part("optimizer state", opt_bytes / GIB, opt_detail))
 
     # activations
-    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length
+    tokens = tokens or recipe.train.micro_batch_size * recipe.data.max_seq_length
     per_token_layer = activation_bytes_per_token_layer(recipe, config)
     if recipe.train.activation_checkpointing:
         block_input = config.n_embd * compute_bytes
@@ -298,11 +301,14 @@ def estimate_memory(recipe: Recipe, config=None) -> MemoryEstimate:
         act_detail = f"{tokens:,} tokens x {config.n_layer} blocks x {per_token_layer:,} B/token/block (traced)"
     parts.append(Part("activations", acts / GIB, act_detail))
 
-    # the loss: lm_head output in the compute dtype, its fp32 upcast inside the loss, log-softmax saved for the
-    # backward pass, and the logits' gradient: 2 + 4 + 4 + 2 bytes per (token x vocabulary entry) at the peak
+    # the loss: lm_head output in the compute dtype, its fp32 upcast, log-softmax saved for the backward pass, and
+    # the logits' gradient: 2 + 4 + 4 + 2 bytes per (position x vocabulary entry), for one chunk of the loss at a
+    # time (train.loss_chunk; each chunk's logits are recomputed in the backward pass)
     vocab = config.padded_vocab_size
-    loss_bytes = tokens * vocab * (compute_bytes + 4 + 4 + compute_bytes)
-    parts.append(Part("logits and loss", loss_bytes / GIB, f"{tokens:,} tokens x {vocab:,} vocab x 12 B"))
+    chunk = min(tokens, recipe.train.loss_chunk) if recipe.train.loss_chunk > 0 else tokens
+    loss_bytes = chunk * vocab * (2 * compute_bytes + 4 + 4)
+    parts.append(Part("logits and loss", loss_bytes / GIB,
+                      f"{chunk:,} positions (one loss chunk) x {vocab:,} vocab x {2 * compute_bytes + 8} B"))
 
     allocated = sum(p.gib for p in parts)
     total = allocated * ALLOCATOR_OVERHEAD

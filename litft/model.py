@@ -8,6 +8,7 @@ loaded, merged and chatted with by LitGPT's tools, and the reverse.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,18 +171,6 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     _apply(model, check_fn=lambda module: isinstance(module, Block))
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over positions whose label is not IGNORE_INDEX.
-
-    The loop divides by the optimizer step's total loss tokens, so every loss token weighs the same whatever the
-    micro-batch / accumulation / device split (micro 8 x accum 1 and micro 2 x accum 4 give the same gradient).
-    Logits are upcast to fp32 for the log-softmax; labels are already shifted (label t is the token after input t).
-    """
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Final weights
 # ----------------------------------------------------------------------------------------------------------------------
@@ -249,3 +238,168 @@ def merge_lora_checkpoint(base_checkpoint: Path, adapter_path: Path, config, out
     merged = {k: v for k, v in merged.items() if k not in ("cos", "sin")}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(merged, out_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The training forward: LitGPT's blocks, packed attention, a chunked loss
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def fast_path_problems(config) -> list[str]:
+    """Why litft's training forward cannot run this architecture (empty: it can). It calls LitGPT's own blocks but
+    computes rotary tables and the loss itself, so features of GPT.forward it does not repeat are refused here."""
+    unsupported = {
+        "scale_embeddings": config.scale_embeddings,
+        "final_logit_softcapping": config.final_logit_softcapping is not None,
+        "attention_logit_softcapping": config.attention_logit_softcapping is not None,
+        "sliding_window_size": config.sliding_window_size is not None,
+        "rope_indices": getattr(config, "rope_indices", None) is not None,
+        "latent_attention": bool(getattr(config, "latent_attention", None)),
+    }
+    return [name for name, present in unsupported.items() if present]
+
+
+@dataclass
+class Packed:
+    """Passed through LitGPT's Block as its `mask` argument: the sample boundaries of a packed row."""
+
+    cu_seqlens: torch.Tensor
+    max_length: int
+
+
+def _varlen_causal_kwargs() -> dict | None:
+    """torch's flash-attention varlen op, if this torch has it: 2.10 takes is_causal, later versions window_size."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}
+    if "is_causal" in params:
+        return {"is_causal": True}
+    return None
+
+
+_VARLEN_KWARGS = _varlen_causal_kwargs()
+
+
+def packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """CausalSelfAttention.scaled_dot_product_attention, plus packed rows: when `mask` is a Packed, each sample
+    attends only to itself. q, k, v: (1, heads, N, head_size), k and v already repeated to all heads by LitGPT.
+    Returns (1, N, heads, head_size), as LitGPT's method does."""
+    if not isinstance(mask, Packed):
+        return type(self).scaled_dot_product_attention(self, q, k, v, mask)
+    scale = 1.0 / math.sqrt(self.config.attention_scores_scalar or self.config.head_size) * self.mscale**2
+    _, heads, n, head_size = q.shape
+    if q.is_cuda and _VARLEN_KWARGS is not None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        # (1, H, N, D) -> (N, H, D): a view, the last dimension stays contiguous as flash attention needs
+        q_, k_, v_ = (t.transpose(1, 2).reshape(n, heads, head_size) for t in (q, k, v))
+        cu = mask.cu_seqlens
+        y = varlen_attn(q_, k_, v_, cu, cu, mask.max_length, mask.max_length, scale=scale, **_VARLEN_KWARGS)
+        return y.view(1, n, heads, head_size)
+    # elsewhere (CPU): a block-diagonal causal mask over the row; exact, O(N^2) memory
+    segment = torch.searchsorted(mask.cu_seqlens[1:].long(), torch.arange(n, device=q.device), right=True)
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return y.transpose(1, 2)
+
+
+def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """LoRAQKVLinear.forward without conv1d and zero-padding: lora_A's rows hold r per adapted projection and
+    lora_B's rows the adapted projections' outputs, so each adapted part is one (r -> out) matmul.
+    Same result as LitGPT's grouped conv1d + index_copy, as plain matmuls that compile and fuse well."""
+    pretrained = self.linear(x)
+    if self.r == 0 or not any(self.enable_lora) or self.merged:
+        return pretrained
+    after_a = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r x adapted)
+    parts = iter(zip(after_a.split(self.r, dim=-1), self.lora_B.split(self.qkv_shapes, dim=0)))
+    q_size = self.head_size * self.n_head
+    kv_size = self.head_size * self.n_query_groups
+    outputs = []
+    for enabled, size in zip(self.enable_lora, (q_size, kv_size, kv_size)):
+        if enabled:
+            a, b = next(parts)
+            outputs.append(F.linear(a, b))
+        else:
+            outputs.append(x.new_zeros(*x.shape[:-1], size))
+    return pretrained + torch.cat(outputs, dim=-1) * self.scaling
+
+
+def use_fast_layers(model: torch.nn.Module) -> None:
+    """Swap in packed attention and the matmul LoRA QKV, per instance (LitGPT's classes stay untouched)."""
+    import types
+
+    from litgpt.lora import LoRAQKVLinear
+    from litgpt.model import CausalSelfAttention
+
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            module.scaled_dot_product_attention = types.MethodType(packed_attention, module)
+        if isinstance(module, LoRAQKVLinear):
+            module.forward = types.MethodType(lora_qkv_forward, module)
+
+
+class CausalLM(torch.nn.Module):
+    """A LitGPT GPT and its training loss as one module, so that Fabric's precision context and DDP wrap both.
+
+    forward(...) returns the SUM of next-token losses over labelled positions (the loop divides by the step's loss
+    tokens). Packed rows (positions + cu_seqlens) keep attention within each sample. The loss runs the output layer
+    over `loss_chunk` positions at a time and recomputes each chunk's logits in the backward pass, so full
+    (tokens x vocabulary) logits never exist at once, in 16 or 32 bits.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, loss_chunk: int) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.loss_chunk = loss_chunk
+
+    def hidden(self, input_ids, positions=None, packed: Packed | None = None) -> torch.Tensor:
+        gpt = self.gpt
+        x = gpt.transformer.wte(input_ids)
+        if positions is None:
+            t = input_ids.size(1)
+            cos, sin = gpt.cos[:t].unsqueeze(0), gpt.sin[:t].unsqueeze(0)
+        else:
+            cos, sin = gpt.cos[positions], gpt.sin[positions]  # (B, T, rope dims): each sample from position 0
+        for block in gpt.transformer.h:
+            x = block(x, cos, sin, packed)
+        return gpt.transformer.ln_f(x)
+
+    def forward(self, input_ids, labels, positions=None, cu_seqlens=None, max_length: int | None = None):
+        packed = Packed(cu_seqlens, max_length) if cu_seqlens is not None else None
+        hidden = self.hidden(input_ids, positions, packed)
+        return chunked_lm_loss(self.gpt.lm_head, hidden, labels, self.loss_chunk)
+
+
+def _chunk_loss(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_lm_loss(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Sum of cross-entropy over labelled positions, `chunk` positions at a time (0: all at once).
+
+    Each chunk's logits (and their fp32 upcast) are dropped after the forward pass and recomputed in the backward
+    pass (activation checkpointing of the output layer): peak memory holds one chunk's logits, not all of them,
+    for one extra output-layer matmul (2 x d x vocab FLOPs per token)."""
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    labels = labels.reshape(-1)
+    if chunk <= 0 or hidden.size(0) <= chunk:
+        return _chunk_loss(head, hidden, labels)
+    from torch.utils.checkpoint import checkpoint
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, y in zip(hidden.split(chunk), labels.split(chunk)):
+        total = total + checkpoint(_chunk_loss, head, h, y, use_reentrant=False)
+    return total
+
+
+def compile_blocks(gpt: torch.nn.Module) -> None:
+    """Regional compilation: each transformer block is compiled (one graph, reused by all blocks since they share
+    code), which compiles in seconds rather than minutes and keeps the loop and the loss in eager Python."""
+    for block in gpt.transformer.h:
+        block.compile(dynamic=True)

@@ -112,6 +112,10 @@ class DataConfig:
     mask_prompt: bool = True
     """Train on the response only: prompt tokens get no loss."""
 
+    packing: bool = True
+    """Concatenate each micro-batch's samples into one row, attention kept within each sample: the same samples and
+    loss as padding to the longest, without computing the padding (typically a third to a half of the positions)."""
+
     num_workers: int = 2
     """DataLoader worker processes (0 = load in the training process)."""
 
@@ -148,6 +152,14 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass: activation memory drops to about one
     block's worth plus the block inputs, for ~30% more compute."""
+
+    compile: Literal["auto", "always", "never"] = "auto"
+    """torch.compile each transformer block (regional: one graph, compiled in seconds). 'auto' compiles on CUDA and
+    runs eager on the CPU, where inductor's C++ compile costs minutes for little gain on small runs."""
+
+    loss_chunk: int = 4096
+    """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so
+    (tokens x vocabulary) logits never exist at once. 0: the whole micro-batch at once (fastest, most memory)."""
 
 
 @dataclass
@@ -699,6 +711,8 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
                 f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x devices ="
                 f" {t.micro_batch_size} x {recipe.devices} = {per_step}; try {lower} or {lower + per_step}"
             )
+    if t.loss_chunk < 0:
+        problems.append(f"train.loss_chunk: must be 0 (no chunking) or positive, got {t.loss_chunk}")
     if t.max_steps is not None and t.max_steps < 1:
         problems.append(f"train.max_steps: must be at least 1 or null, got {t.max_steps}")
     if t.warmup_steps < 0:

@@ -1,0 +1,118 @@
+"""The fast path computes the same function as the plain one (fp32, CPU): packing, the matmul LoRA QKV layer and
+the chunked loss change speed and memory, never the loss or the gradients."""
+
+import copy
+
+import pytest
+import torch
+
+import litft
+from litft.data import IGNORE_INDEX, collate, collate_packed
+from litft.model import CausalLM, chunked_lm_loss, lora_qkv_forward, model_config, use_fast_layers
+
+
+def _samples(lengths, vocab=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=g)
+        labels = torch.randint(0, vocab, (n,), generator=g)
+        labels[: n // 3] = IGNORE_INDEX  # a masked prompt
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _lora_gpt(tiny_recipe, targets, seed=0):
+    from litgpt.lora import GPT, mark_only_lora_as_trainable
+
+    recipe = tiny_recipe(method="lora", lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": targets})
+    torch.manual_seed(seed)
+    gpt = GPT(model_config(recipe))
+    for name, p in gpt.named_parameters():  # B != 0, so the adapters matter
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    mark_only_lora_as_trainable(gpt)
+    return gpt
+
+
+def _loss_and_grads(module, batch):
+    module.zero_grad(set_to_none=True)
+    inputs = {k: batch[k] for k in ("input_ids", "labels")}
+    if "cu_seqlens" in batch:
+        inputs.update(positions=batch["positions"], cu_seqlens=batch["cu_seqlens"], max_length=batch["max_length"])
+    loss = module(**inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def test_a_packed_row_gives_the_same_loss_and_gradients_as_padded_rows(tiny_recipe):
+    gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
+    use_fast_layers(gpt)
+    model = CausalLM(gpt, loss_chunk=0)
+    samples = _samples([37, 12, 50, 5])
+    padded, packed = collate(samples, pad_id=0), collate_packed(samples, pad_id=0)
+    assert packed["input_ids"].shape == (1, 112) and padded["input_ids"].shape == (4, 50)
+    assert packed["loss_tokens"] == padded["loss_tokens"] and packed["tokens_real"] == padded["tokens_real"] == 104
+    loss_padded, grads_padded = _loss_and_grads(model, padded)
+    loss_packed, grads_packed = _loss_and_grads(model, packed)
+    torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
+    assert grads_packed.keys() == grads_padded.keys() and grads_packed
+    for name in grads_padded:
+        torch.testing.assert_close(grads_packed[name], grads_padded[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packing_keeps_samples_apart():
+    """Changing one sample must not change the loss terms of another (no attention across samples)."""
+    samples = _samples([20, 30])
+    packed = collate_packed(samples, pad_id=0)
+    assert packed["cu_seqlens"].tolist() == [0, 20, 50, 64]  # 50 real positions, padded to a multiple of 16
+    assert packed["positions"][0, :20].tolist() == list(range(20)) and packed["positions"][0, 20:50].tolist() == list(range(30))
+    assert (packed["labels"][0, 50:] == IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize("targets", [["q", "k", "v"], ["q", "v"], ["k"]])
+def test_matmul_lora_qkv_equals_litgpts_conv1d_version(tiny_recipe, targets):
+    gpt = _lora_gpt(tiny_recipe, targets)
+    layer = gpt.transformer.h[0].attn.qkv
+    assert layer.n_head != layer.n_query_groups  # GQA: the uneven split litgpt does with several conv1d calls
+    x = torch.randn(2, 7, layer.linear.in_features, requires_grad=True)
+    reference = layer(x)
+    fast = lora_qkv_forward(layer, x)
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-6)
+    (g_ref,) = torch.autograd.grad(reference.square().sum(), layer.lora_B)
+    (g_fast,) = torch.autograd.grad(fast.square().sum(), layer.lora_B)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_loss_equals_the_whole_loss_with_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 40, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 40))
+    labels[0, :10] = IGNORE_INDEX
+    whole = chunked_lm_loss(head, hidden, labels, chunk=0)
+    (g_whole,) = torch.autograd.grad(whole, hidden)
+    chunked = chunked_lm_loss(head, hidden, labels, chunk=32)
+    (g_chunked,) = torch.autograd.grad(chunked, hidden)
+    torch.testing.assert_close(chunked, whole)
+    torch.testing.assert_close(g_chunked, g_whole)
+
+
+def test_packed_and_padded_runs_record_the_same_losses(tiny_recipe, tmp_path):
+    common = dict(method="full", eval={"initial": True, "final": True, "interval": 0},
+                  optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}})
+    a = litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / "packed"), data={"packing": True}))
+    b = litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / "padded"), data={"packing": False}))
+    import json
+
+    rows_a = [json.loads(l) for l in (a.out_dir / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(l) for l in (b.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows_a] == pytest.approx([r["loss"] for r in rows_b], rel=1e-5)
+    assert a.result["losses"]["val_final"] == pytest.approx(b.result["losses"]["val_final"], rel=1e-5)
+    # the same real tokens; packed rows pad under PACK_MULTIPLE positions per micro-batch
+    from litft.data import PACK_MULTIPLE
+
+    ta, tb = a.result["throughput"], b.result["throughput"]
+    assert ta["tokens_real"] == tb["tokens_real"]
+    micro_batches = a.result["steps"] * a.result["batch"]["grad_accum"]
+    assert ta["tokens_padded"] - ta["tokens_real"] < PACK_MULTIPLE * micro_batches
