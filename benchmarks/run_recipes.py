@@ -21,19 +21,42 @@ import time
 from pathlib import Path
 
 RANDOM = ["--init", "random", "--model.tokenizer_dir", "litft:demo/model"]
-QUIET = ["--logging.progress", "plain", "--logging.interval", "5", "--eval.initial", "false", "--eval.interval", "0"]
+BENCH_DATA = ["--data.path", "out/bench-data/alpaca_like.json"]  # benchmarks/make_bench_data.py writes it
+QUIET = ["--logging.progress", "plain", "--logging.interval", "5", "--eval.initial", "false", "--eval.final", "false",
+         "--eval.interval", "0"]
+GPU = RANDOM + BENCH_DATA + QUIET
+
+
+def steps(n: int) -> list[str]:
+    return ["--train.max_steps", str(n)]
+
 
 # name -> list of (run name, recipe, overrides)
 SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     # Issue 2: the three TinyLlama recipes run 20+ steps on the GPU with random weights.
     "issue2-tinyllama": [
-        ("tiny-llama-full", "tiny-llama-full", RANDOM + QUIET + ["--train.max_steps", "25"]),
-        ("tiny-llama-lora", "tiny-llama-lora", RANDOM + QUIET + ["--train.max_steps", "25"]),
-        ("tiny-llama-qlora", "tiny-llama-qlora", RANDOM + QUIET + ["--train.max_steps", "25"]),
+        ("tiny-llama-full", "tiny-llama-full", GPU + steps(25)),
+        ("tiny-llama-lora", "tiny-llama-lora", GPU + steps(25)),
+        ("tiny-llama-qlora", "tiny-llama-qlora", GPU + steps(25)),
+    ],
+    # Issue 3: predicted vs measured peak memory for the six configurations the issue names.
+    "ledger-small": [
+        ("tiny-llama-full-bf16-true", "tiny-llama-full", GPU + steps(10)),
+        ("tiny-llama-full-bf16-mixed", "tiny-llama-full", GPU + steps(10) + ["--precision", "bf16-mixed"]),
+        ("tiny-llama-lora", "tiny-llama-lora", GPU + steps(10)),
+        ("tiny-llama-qlora", "tiny-llama-qlora", GPU + steps(10)),
+        ("open-llama-7b-lora", "open-llama-7b-lora", GPU + steps(10)),
+        ("open-llama-7b-qlora", "open-llama-7b-qlora", GPU + steps(10)),
+    ],
+    # Issue 3: the 13B trio: AdamW should not fit 80 GB, SGD and LoRA should.
+    "ledger-13b": [
+        ("open-llama-13b-full", "open-llama-13b-full", GPU + steps(6)),
+        ("open-llama-13b-full-sgd", "open-llama-13b-full-sgd", GPU + steps(6)),
+        ("open-llama-13b-lora", "open-llama-13b-lora", GPU + steps(6)),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
-        ("demo-10-steps", "demo", QUIET + ["--train.max_steps", "10"]),
+        ("demo-10-steps", "demo", QUIET + steps(10)),
     ],
 }
 

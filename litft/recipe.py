@@ -324,8 +324,12 @@ def resolve_path(path: str | Path | None) -> Path | None:
 
 
 def recipes_dir() -> Path:
-    """The shipped recipes: <repo>/recipes in a clone, litft/recipes inside an installed wheel."""
-    return Path(str(resources.files("litft.recipes")))
+    """The shipped recipes: the package litft.recipes once installed (a wheel, or `pip install -e .`), else the
+    recipes/ folder beside the litft/ folder (a source checkout on PYTHONPATH)."""
+    try:
+        return Path(str(resources.files("litft.recipes")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "recipes"
 
 
 def recipe_names() -> list[str]:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes; see benchmarks/README.md), make
+# the benchmark data, then run each step named on the command line, logging everything under $OUT.
+#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | litgpt:<name> (benchmarks/vs_litgpt.py)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+python3 benchmarks/make_bench_data.py --out out/bench-data/alpaca_like.json > "$OUT/bench-data.txt" 2>&1
+cat "$OUT/bench-data.txt"
+status=0
+for step in "$@"; do
+  echo "=== $step ($(date +%T))"
+  case "$step" in
+    env) python3 -m litft.cli env 2>&1 | tee "$OUT/env.txt"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/env.txt" ;;
+    gpu-tests) python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || status=1 ;;
+    set:*) python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
+           tail -30 "$OUT/${step#set:}.log" ;;
+    litgpt:*) python3 benchmarks/vs_litgpt.py "${step#litgpt:}" --out "$OUT/${step#litgpt:}" > "$OUT/${step#litgpt:}.log" 2>&1 || status=1
+           tail -40 "$OUT/${step#litgpt:}.log" ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+# results come back as files: keep the tables and the per-run result.json files in one tarball
+tar czf "$OUT/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' . 2>/dev/null
+exit $status
