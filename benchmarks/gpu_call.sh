@@ -4,7 +4,8 @@
 #   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | litgpt:<name> (benchmarks/vs_litgpt.py)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+RESULTS=${OUT:-out/gpu}; mkdir -p "$RESULTS"
+OUT=/tmp/litft-gpu; rm -rf "$OUT"; mkdir -p "$OUT"   # work here; only a tarball and a summary go back
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
@@ -23,6 +24,7 @@ for step in "$@"; do
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
-# results come back as files: keep the tables and the per-run result.json files in one tarball
-tar czf "$OUT/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' . 2>/dev/null
+# what comes back: one tarball (tables, logs, every run's result.json and metrics) and the tables in one summary
+tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' . 2>/dev/null
+cat "$OUT"/env.txt "$OUT"/*/*.md > "$RESULTS/summary.md" 2>/dev/null
 exit $status
