@@ -51,8 +51,9 @@ def main() -> int:
         record = {"instruction": rng.choice(sentences), "input": "", "output": ""}
         if rng.random() < 0.4:
             record["input"] = " ".join(rng.choice(sentences) for _ in range(max(1, target // 60)))
+        record["output"] = rng.choice(sentences)  # every row teaches something, however long its prompt
         while count(record) < target:
-            record["output"] = (record["output"] + " " + rng.choice(sentences)).strip()
+            record["output"] = record["output"] + " " + rng.choice(sentences)
         rows.append(record)
         lengths.append(count(record))
 

@@ -50,9 +50,11 @@ def test_qlora_quantizes_the_base_and_trains_only_adapters(tiny_recipe, quantize
     adapter = torch.load(result.out_dir / "final" / "lit_model.pth.lora", weights_only=True)
     assert set(adapter) and all("lora_" in k for k in adapter)
     r = json.loads((result.out_dir / "result.json").read_text())
-    # parameter counts are logical (4-bit weights count their unpacked elements)
+    # parameter counts are logical (4-bit weights count their unpacked elements): the frozen base of QLoRA has as
+    # many parameters as the whole model of a full fine-tune
     full = litft.finetune(_gpu_recipe(tiny_recipe, method="full", out_dir=str(result.out_dir) + "-full"))
-    assert r["parameters"]["total"] == full.result["parameters"]["total"]
+    assert r["parameters"]["frozen"] == full.result["parameters"]["total"]
+    assert r["parameters"]["trainable"] == sum(v.numel() for v in adapter.values())
 
 
 def test_compiled_and_eager_losses_agree_within_bf16_tolerance(tiny_recipe, tmp_path):
