@@ -3,7 +3,9 @@
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
 #   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | litgpt:<name> (benchmarks/vs_litgpt.py)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles
+BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
+START=$SECONDS
 RESULTS=${OUT:-out/gpu}; mkdir -p "$RESULTS"
 OUT=/tmp/litft-gpu; rm -rf "$OUT"; mkdir -p "$OUT"   # work here; only a tarball and a summary go back
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -13,13 +15,15 @@ python3 benchmarks/make_bench_data.py --out out/bench-data/alpaca_like.json > "$
 cat "$OUT/bench-data.txt"
 status=0
 for step in "$@"; do
-  echo "=== $step ($(date +%T))"
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt 30 ]; then echo "=== $step skipped: budget spent"; status=1; continue; fi
+  echo "=== $step ($(date +%T), ${left}s left)"
   case "$step" in
     env) python3 -m litft.cli env 2>&1 | tee "$OUT/env.txt"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/env.txt" ;;
-    gpu-tests) python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || status=1 ;;
-    set:*) python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
+    gpu-tests) timeout "$left" python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || status=1 ;;
+    set:*) timeout "$left" python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
            tail -30 "$OUT/${step#set:}.log" ;;
-    litgpt:*) python3 benchmarks/vs_litgpt.py "${step#litgpt:}" --out "$OUT/${step#litgpt:}" > "$OUT/${step#litgpt:}.log" 2>&1 || status=1
+    litgpt:*) timeout "$left" python3 benchmarks/vs_litgpt.py "${step#litgpt:}" --out "$OUT/${step#litgpt:}" > "$OUT/${step#litgpt:}.log" 2>&1 || status=1
            tail -40 "$OUT/${step#litgpt:}.log" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac

@@ -155,7 +155,7 @@ def main(fabric, recipe: Recipe) -> RunResult:
         say(f"speed: packing {'on' if recipe.data.packing else 'off'}, torch.compile {'on' if compiled else 'off'},"
             f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
             f" {'on' if recipe.train.activation_checkpointing else 'off'}")
-        model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk))
+        model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length))
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
 
         train_sampler = EpochBatchSampler(
@@ -421,7 +421,6 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
     if "cu_seqlens" in batch:
         inputs["positions"] = batch["positions"].to(device, non_blocking=True)
         inputs["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
-        inputs["max_length"] = batch["max_length"]
     return inputs
 
 
@@ -584,6 +583,7 @@ def build_result(
         "throughput": throughput,
         "memory": mem,
         "phases_s": phases.seconds,
+        "compile": compile_stats(),
         "gpu": gpu or {},
         "device": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else "cpu",
         "environment": metrics.environment(),
@@ -595,6 +595,16 @@ def build_result(
             "weights": "final/lit_model.pth.lora" if recipe.method in ("lora", "qlora") else "final/lit_model.pth",
         },
     }
+
+
+def compile_stats() -> dict:
+    """How many graphs torch.compile built (a number growing with steps means recompiles: look at TORCH_LOGS)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return {"unique_graphs": counters["stats"]["unique_graphs"], "frames_ok": counters["frames"]["ok"]}
+    except Exception:
+        return {}
 
 
 def out_of_memory(recipe: Recipe, fabric, err: Exception) -> OutOfMemoryError:

@@ -353,10 +353,13 @@ class CausalLM(torch.nn.Module):
     (tokens x vocabulary) logits never exist at once, in 16 or 32 bits.
     """
 
-    def __init__(self, gpt: torch.nn.Module, loss_chunk: int) -> None:
+    def __init__(self, gpt: torch.nn.Module, loss_chunk: int, max_seq_length: int) -> None:
         super().__init__()
         self.gpt = gpt
         self.loss_chunk = loss_chunk
+        # Flash attention's varlen kernel takes the longest segment only to size its grid, so the recipe's bound is
+        # valid for every batch; a per-batch value would make torch.compile recompile for each new length.
+        self.max_seq_length = max_seq_length
 
     def hidden(self, input_ids, positions=None, packed: Packed | None = None) -> torch.Tensor:
         gpt = self.gpt
@@ -370,8 +373,8 @@ class CausalLM(torch.nn.Module):
             x = block(x, cos, sin, packed)
         return gpt.transformer.ln_f(x)
 
-    def forward(self, input_ids, labels, positions=None, cu_seqlens=None, max_length: int | None = None):
-        packed = Packed(cu_seqlens, max_length) if cu_seqlens is not None else None
+    def forward(self, input_ids, labels, positions=None, cu_seqlens=None):
+        packed = Packed(cu_seqlens, self.max_seq_length) if cu_seqlens is not None else None
         hidden = self.hidden(input_ids, positions, packed)
         return chunked_lm_loss(self.gpt.lm_head, hidden, labels, self.loss_chunk)
 
