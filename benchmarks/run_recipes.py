@@ -46,6 +46,15 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("open-llama-7b-lora", "open-llama-7b-lora", GPU + steps(10)),
         ("open-llama-7b-qlora", "open-llama-7b-qlora", GPU + steps(10)),
     ],
+    # Issue 3: all six configurations the issue names, predicted (by each run) vs measured.
+    "ledger-six": [
+        ("tiny-llama-full-bf16-true", "tiny-llama-full", GPU + steps(10)),
+        ("tiny-llama-full-bf16-mixed", "tiny-llama-full", GPU + steps(10) + ["--precision", "bf16-mixed"]),
+        ("tiny-llama-lora", "tiny-llama-lora", GPU + steps(10)),
+        ("tiny-llama-qlora", "tiny-llama-qlora", GPU + steps(10)),
+        ("open-llama-7b-lora", "open-llama-7b-lora", GPU + steps(10)),
+        ("open-llama-7b-qlora", "open-llama-7b-qlora", GPU + steps(10)),
+    ],
     # Issue 3: the 13B trio: AdamW should not fit 80 GB, SGD and LoRA should.
     "ledger-13b": [
         ("open-llama-13b-full", "open-llama-13b-full", GPU + steps(6)),
@@ -85,14 +94,22 @@ def run_one(name: str, recipe: str, overrides: list[str], out: Path, timeout: in
     }
 
 
+def predicted(memory: dict) -> str:
+    p = memory.get("predicted")
+    if not p:
+        return "n/a"
+    error = f" ({memory['error_pct']:+.1f}%)" if memory.get("error_pct") is not None else ""
+    return f"{p['total_gib']:.2f}{error}"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| run | exit | steps | tok/s (real) | tok/s/GPU | padded tok/s | MFU | median step | peak alloc GiB |"
-            " peak reserved GiB | loss first -> last |")
+            " peak reserved GiB | predicted GiB (error) | loss first -> last |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         r = row["result"]
         if r is None or r.get("status") != "ok":
-            lines.append(f"| {row['name']} | {row['exit_code']} | | | | | | | | | {row['message'][:80]} |")
+            lines.append(f"| {row['name']} | {row['exit_code']} | | | | | | | | | | {row['message'][:80]} |")
             continue
         t, m, lo = r["throughput"], r["memory"], r["losses"]
         mfu = f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a"
@@ -101,7 +118,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {row['name']} | {row['exit_code']} | {r['steps']} | {t['tokens_per_sec']:,.0f} |"
             f" {t['tokens_per_sec_per_device']:,.0f} | {t['padded_tokens_per_sec']:,.0f} | {mfu} |"
-            f" {t['median_step_time_s'] * 1000:.1f} ms | {alloc} | {reserved} |"
+            f" {t['median_step_time_s'] * 1000:.1f} ms | {alloc} | {reserved} | {predicted(m)} |"
             f" {lo['train_first']:.3f} -> {lo['train_last']:.3f} |"
         )
     return "\n".join(lines)

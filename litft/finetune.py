@@ -131,7 +131,8 @@ def main(fabric, recipe: Recipe) -> RunResult:
 
     # ---- the predicted ledger (CPU, seconds) and the memory cap, before anything is on the GPU ----
     config = model_config(recipe)
-    predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths))
+    compiled = recipe.train.compile == "always" or (recipe.train.compile == "auto" and fabric.device.type == "cuda")
+    predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
     if recipe.memory_cap is not None and fabric.device.type == "cuda":
@@ -149,7 +150,6 @@ def main(fabric, recipe: Recipe) -> RunResult:
         use_fast_layers(gpt)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
-        compiled = recipe.train.compile == "always" or (recipe.train.compile == "auto" and fabric.device.type == "cuda")
         if compiled:
             compile_blocks(gpt)
         say(f"speed: packing {'on' if recipe.data.packing else 'off'}, torch.compile {'on' if compiled else 'off'},"
@@ -192,7 +192,7 @@ def main(fabric, recipe: Recipe) -> RunResult:
     status = "failed"
     gpu: dict = {}
     losses: dict[str, float | None] = {"train_first": None, "train_last": None, "val_initial": None, "val_final": None}
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0}
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0, "max_micro_tokens": 0}
     clock = metrics.StepClock(fabric.device)
     try:
         if recipe.eval.initial:
@@ -222,9 +222,14 @@ def main(fabric, recipe: Recipe) -> RunResult:
         if writer is not None:
             writer.close()
         clock.resolve()
+        # The prediction to hold the measurement against: the same ledger, sized for the largest micro-batch this
+        # run actually formed (a short run rarely meets the data's worst case, which stays in the result too).
+        seen = None
+        if predicted is not None and state["max_micro_tokens"]:
+            seen = predict_memory(recipe, config, state["max_micro_tokens"], compiled)
         result = build_result(
             recipe, fabric, status, config, counts, data, state, losses, throughput.summary(clock.durations), phases,
-            out_dir, len(train_sampler), predicted, gpu,
+            out_dir, len(train_sampler), seen or predicted, gpu, worst_case=predicted,
         )
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
@@ -252,6 +257,7 @@ def fit(
         step = state["step"] + 1
         profiler.before(step)
         step_batches = [next(batches) for _ in range(accum)]
+        state["max_micro_tokens"] = max(state["max_micro_tokens"], *(b["tokens_padded"] for b in step_batches))
         # Normalise by the step's loss tokens over all ranks, so each loss token weighs the same however the global
         # batch is split into micro-batches and devices. DDP averages gradients over ranks, hence the x world_size.
         loss_tokens = torch.tensor(sum(b["loss_tokens"] for b in step_batches), device=fabric.device)
@@ -374,6 +380,8 @@ class StepProfiler:
     def after(self, step: int) -> None:
         if self._prof is not None and step == self.end:
             self._prof.__exit__(None, None, None)
+            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            self.say(self._prof.key_averages().table(sort_by=sort, row_limit=25))
             self._prof = None
             self.say(f"profiler: steps {self.start}-{self.end} written to {self.directory} (tensorboard --logdir"
                      f" {self.directory}, or open the .pt.trace.json in ui.perfetto.dev)")
@@ -391,12 +399,12 @@ def worst_case_tokens(recipe: Recipe, lengths: torch.Tensor) -> int:
     return int(longest[0]) * recipe.train.micro_batch_size
 
 
-def predict_memory(recipe: Recipe, config, tokens: int):
+def predict_memory(recipe: Recipe, config, tokens: int, compiled: bool):
     """The ledger for this run; a failure to predict must not stop training, so it is reported and skipped."""
     from litft.memory import estimate_memory
 
     try:
-        return estimate_memory(recipe, config, tokens=tokens)
+        return estimate_memory(recipe, config, tokens=tokens, compiled=compiled)
     except Exception as err:  # e.g. an architecture the tracer cannot build on the CPU
         print(f"memory: no prediction ({type(err).__name__}: {err})")
         return None
@@ -535,7 +543,7 @@ def write_json_atomic(path: Path, value: dict) -> None:
 
 def build_result(
     recipe, fabric, status, config, counts, data, state, losses, throughput, phases, out_dir, batches_per_epoch,
-    predicted=None, gpu=None,
+    predicted=None, gpu=None, worst_case=None,
 ) -> dict:
     mem = metrics.memory_stats(fabric.device)
     if fabric.world_size > 1 and fabric.device.type == "cuda":
@@ -550,6 +558,8 @@ def build_result(
 
         mem["cap_gib"] = parse_memory_cap(recipe.memory_cap, mem["device_total_gib"])
     mem["predicted"] = predicted.as_dict() if predicted is not None else None
+    mem["predicted_worst_case"] = worst_case.as_dict() if worst_case is not None else None
+    mem["max_micro_batch_tokens"] = state["max_micro_tokens"]
     mem["error_pct"] = None
     if predicted is not None and mem["peak_reserved_gib"]:
         mem["error_pct"] = (predicted.total_gib - mem["peak_reserved_gib"]) / mem["peak_reserved_gib"] * 100

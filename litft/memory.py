@@ -39,8 +39,9 @@ from litft.recipe import Recipe
 
 GIB = 2**30
 
-# Reserved / allocated at the peak, as measured on the GPU runs recorded in benchmarks/ (see benchmarks/README.md).
-ALLOCATOR_OVERHEAD = 1.05
+# Reserved / allocated at the peak: 1.06 to 1.19 on the H100 runs of benchmarks/results/ledger.md (TinyLlama full
+# bf16-true 1.08, bf16-mixed 1.06, OpenLLaMA-7B LoRA 1.19, QLoRA 1.11); the middle of that range.
+ALLOCATOR_OVERHEAD = 1.10
 # CUDA context + cuBLAS/cuDNN workspaces: on the GPU but outside torch's reserved figure (measured: device used
 # minus torch reserved on an otherwise idle H100, benchmarks/).
 CUDA_CONTEXT_GIB = 0.5
@@ -172,24 +173,68 @@ def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_
 _TRACE_CACHE: dict[tuple, int] = {}
 
 
-def activation_bytes_per_token_layer(recipe: Recipe, config) -> int:
+def activation_bytes_per_token_layer(recipe: Recipe, config, compiled: bool | None = None) -> int:
     """Bytes autograd saves per token in one transformer block of this architecture, method and precision.
 
     Traced at two token counts and taken as the slope, so that anything saved once per step rather than per token
-    (autocast's 16-bit weight casts, rotary tables) cancels out."""
-    key = (repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets), recipe.lora.dropout)
+    (autocast's 16-bit weight casts, rotary tables) cancels out. A compiled block saves less than an eager one
+    (inductor recomputes cheap ops such as the fp32 norm copies instead of keeping them), so compiled recipes are
+    traced through aot_autograd with inductor's own partitioner; results are cached on disk by configuration."""
+    if compiled is None:
+        compiled = recipe.train.compile != "never"
+    key = repr((repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets), recipe.lora.dropout,
+                compiled, torch.__version__))
     if key not in _TRACE_CACHE:
-        small, large = _saved_bytes(recipe, config, 16), _saved_bytes(recipe, config, 48)
+        _TRACE_CACHE.update(_load_disk_cache())
+    if key not in _TRACE_CACHE:
+        measure = _saved_bytes_compiled if compiled else _saved_bytes
+        small, large = measure(recipe, config, 16), measure(recipe, config, 48)
         _TRACE_CACHE[key] = math.ceil((large - small) / (48 - 16))
+        _save_disk_cache(key, _TRACE_CACHE[key])
     return _TRACE_CACHE[key]
 
 
-def _saved_bytes(recipe: Recipe, config, tokens: int) -> int:
-    """Run one block forward on the CPU and sum the storage of every tensor saved for backward (parameters,
-    buffers and the rotary tables excluded; storage shared by several saved views counted once).
+def _cache_path():
+    import os
+    from pathlib import Path
 
-    QLoRA is traced unquantized: a frozen bitsandbytes 4-bit matmul keeps the same activations as a frozen 16-bit
-    one (it needs the weight, not the input, for the input gradient), and quantizing on the CPU is slow."""
+    return Path(os.environ.get("LITFT_CACHE", Path.home() / ".cache" / "litft")) / "activation_traces.json"
+
+
+def _load_disk_cache() -> dict:
+    import json
+
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_disk_cache(key: str, value: int) -> None:
+    import json
+    import os
+
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cache = _load_disk_cache()
+        cache[hashlib_key(key)] = value
+        cache[key] = value
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: trace again next time
+
+
+def hashlib_key(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _trace_block(recipe: Recipe, config, tokens: int):
+    """One block of the recipe's architecture on the CPU with uninitialised weights, and inputs for `tokens`."""
     from litgpt.model import build_rope_cache
 
     if recipe.method in ("lora", "qlora"):
@@ -198,22 +243,60 @@ def _saved_bytes(recipe: Recipe, config, tokens: int) -> int:
         from litgpt.model import Block
 
         mark_only_lora_as_trainable = None
-
     param_dtype = _param_dtype(recipe.precision)
     compute = _compute_dtype(recipe.precision)
+    with torch.device("meta"):
+        block = Block(config, 0).to(param_dtype)
+    block = block.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)  # finite values: a compiled trace runs real kernels
+    if mark_only_lora_as_trainable is not None:
+        mark_only_lora_as_trainable(block)
+    block.train()
+    x = torch.randn(1, tokens, config.n_embd, dtype=compute, requires_grad=True)
+    cos, sin = build_rope_cache(tokens, config.rope_n_elem, device=torch.device("cpu"))
+    return block, x, cos.unsqueeze(0).to(compute), sin.unsqueeze(0).to(compute)
+
+
+def _saved_bytes_compiled(recipe: Recipe, config, tokens: int) -> int:
+    """What a torch.compile'd block saves: the inputs of its backward graph (not the incoming gradients), as
+    partitioned by inductor's min-cut rematerialisation, without generating any code."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        # uninitialised weights (meta, then to_empty): sizes of saved tensors do not depend on values
-        with torch.device("meta"):
-            block = Block(config, 0).to(param_dtype)
-        block = block.to_empty(device="cpu")
-        if mark_only_lora_as_trainable is not None:
-            mark_only_lora_as_trainable(block)
-        block.train()
-        x = torch.randn(1, tokens, config.n_embd, dtype=compute, requires_grad=True)
-        cos, sin = build_rope_cache(tokens, config.rope_n_elem, device=torch.device("cpu"))
-        cos, sin = cos.unsqueeze(0).to(compute), sin.unsqueeze(0).to(compute)
+        block, x, cos, sin = _trace_block(recipe, config, tokens)
+        saved = {"bytes": 0}
 
+        def backward_compiler(gm, example_inputs):
+            for node in gm.graph.nodes:
+                value = node.meta.get("val")
+                if node.op == "placeholder" and not node.name.startswith("tangents") and isinstance(value, torch.Tensor):
+                    saved["bytes"] += value.numel() * value.element_size()
+            return gm
+
+        backend = aot_autograd(fw_compiler=lambda gm, inputs: gm, bw_compiler=backward_compiler,
+                               partition_fn=min_cut_rematerialization_partition)
+        torch._dynamo.reset()
+        autocast = torch.autocast("cpu", dtype=x.dtype) if recipe.precision.endswith("-mixed") else _null()
+        with autocast:
+            out = torch.compile(block, backend=backend, dynamic=False)(x, cos, sin)
+        out.float().sum().backward()
+        torch._dynamo.reset()
+    return saved["bytes"]
+
+
+def _saved_bytes(recipe: Recipe, config, tokens: int) -> int:
+    """Run one block forward on the CPU (eager) and sum the storage of every tensor saved for backward
+    (parameters, buffers and the rotary tables excluded; storage shared by several saved views counted once).
+
+    QLoRA is traced unquantized: a frozen bitsandbytes 4-bit matmul keeps the same activations as a frozen 16-bit
+    one (it needs the weight, not the input, for the input gradient), and quantizing on the CPU is slow."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        block, x, cos, sin = _trace_block(recipe, config, tokens)
         excluded = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers(), cos, sin]}
         saved: dict[int, int] = {}
 
@@ -224,7 +307,7 @@ def _saved_bytes(recipe: Recipe, config, tokens: int) -> int:
                 saved[ptr] = storage.nbytes()
             return t
 
-        autocast = torch.autocast("cpu", dtype=compute) if recipe.precision.endswith("-mixed") else _null()
+        autocast = torch.autocast("cpu", dtype=x.dtype) if recipe.precision.endswith("-mixed") else _null()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             block(x, cos, sin)
     return sum(saved.values())
@@ -243,7 +326,7 @@ class _null:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def estimate_memory(recipe: Recipe, config=None, tokens: int | None = None) -> MemoryEstimate:
+def estimate_memory(recipe: Recipe, config=None, tokens: int | None = None, compiled: bool | None = None) -> MemoryEstimate:
     """Predict the peak GPU memory of a recipe, per GPU, part by part.
 
     `tokens`: positions in the largest micro-batch (a run passes what its data can form); by default the recipe's
@@ -290,7 +373,7 @@ def estimate_memory(recipe: Recipe, config=None, tokens: int | None = None) -> M
 
     # activations
     tokens = tokens or recipe.train.micro_batch_size * recipe.data.max_seq_length
-    per_token_layer = activation_bytes_per_token_layer(recipe, config)
+    per_token_layer = activation_bytes_per_token_layer(recipe, config, compiled)
     if recipe.train.activation_checkpointing:
         block_input = config.n_embd * compute_bytes
         acts = tokens * (config.n_layer * block_input + per_token_layer)
@@ -298,7 +381,8 @@ def estimate_memory(recipe: Recipe, config=None, tokens: int | None = None) -> M
                       f" recomputed {per_token_layer:,} B)")
     else:
         acts = tokens * config.n_layer * per_token_layer
-        act_detail = f"{tokens:,} tokens x {config.n_layer} blocks x {per_token_layer:,} B/token/block (traced)"
+        how = "compiled" if (compiled if compiled is not None else recipe.train.compile != "never") else "eager"
+        act_detail = f"{tokens:,} tokens x {config.n_layer} blocks x {per_token_layer:,} B/token/block (traced, {how})"
     parts.append(Part("activations", acts / GIB, act_detail))
 
     # the loss: lm_head output in the compute dtype, its fp32 upcast, log-softmax saved for the backward pass, and

@@ -37,8 +37,9 @@ DEFINITIONS = {
     "mfu": "model FLOP/s / (devices x peak dense FLOP/s at the compute dtype); "
     "FLOPs/token = 6 N_trainable + 4 N_frozen + 12 L d T (N = matmul weights, T = sample length)",
     "memory": "GiB = 2^30 bytes; torch peak allocated / reserved, max over ranks; device_used = total - free",
-    "memory.predicted": "litft's ledger (litft.memory) for this recipe; error_pct = (predicted reserved - measured"
-    " peak reserved) / measured peak reserved x 100",
+    "memory.predicted": "litft's ledger (litft.memory) for this recipe, sized for the largest micro-batch the run"
+    " formed (max_micro_batch_tokens); error_pct = (predicted reserved - measured peak reserved) / measured x 100;"
+    " predicted_worst_case: the same ledger for the largest micro-batch the data could form",
     "gpu": "NVML samples while training: device memory used (all processes) and utilisation (% of time a kernel ran)",
 }
 
