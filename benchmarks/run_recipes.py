@@ -57,9 +57,9 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
     # Issue 3: the 13B trio: AdamW should not fit 80 GB, SGD and LoRA should.
     "ledger-13b": [
-        ("open-llama-13b-full", "open-llama-13b-full", GPU + steps(6)),
-        ("open-llama-13b-full-sgd", "open-llama-13b-full-sgd", GPU + steps(6)),
-        ("open-llama-13b-lora", "open-llama-13b-lora", GPU + steps(6)),
+        ("open-llama-13b-full", "open-llama-13b-full", GPU + steps(4)),
+        ("open-llama-13b-full-sgd", "open-llama-13b-full-sgd", GPU + steps(4)),
+        ("open-llama-13b-lora", "open-llama-13b-lora", GPU + steps(4)),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
