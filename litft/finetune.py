@@ -620,7 +620,9 @@ def compile_stats() -> dict:
 def out_of_memory(recipe: Recipe, fabric, err: Exception) -> OutOfMemoryError:
     mem = metrics.memory_stats(fabric.device)
     t = recipe.train
-    hints = [f"train.micro_batch_size {max(1, t.micro_batch_size // 2)} (keeps global_batch_size by accumulating)"]
+    hints = []
+    if t.micro_batch_size > 1:
+        hints.append(f"train.micro_batch_size {t.micro_batch_size // 2} (keeps global_batch_size by accumulating)")
     if not t.activation_checkpointing:
         hints.append("train.activation_checkpointing true")
     if recipe.precision.endswith("-mixed"):

@@ -1,0 +1,146 @@
+"""The figures, checked against hand-computed values: FLOPs and MFU, tokens with padding, steady-state windows, and
+the memory ledger's parts for full, LoRA, QLoRA and SGD."""
+
+import pytest
+import torch
+
+from litft.memory import GIB, _quantized_bytes_per_param, estimate_memory
+from litft.metrics import FlopModel, StepRecord, Throughput, peak_flops
+from litft.recipe import load_recipe
+
+
+def test_flops_follow_the_rule_6_trainable_4_frozen_plus_attention():
+    model = FlopModel(matmul_trainable=100, matmul_frozen=1000, n_layer=2, attn_width=8)
+    # two samples of lengths 3 and 5: (6*100 + 4*1000) * 8 tokens + 12*2*8*(3^2 + 5^2)
+    assert model.batch_flops([3, 5]) == 4600 * 8 + 12 * 2 * 8 * (9 + 25)
+
+
+def test_mfu_and_tokens_per_second_by_hand():
+    t = Throughput(world_size=2, skip_steps=1, peak_flops_per_device=1e12)
+    for step in (1, 2, 3):
+        t.add(StepRecord(step=step, tokens_real=900, tokens_padded=1000, samples=4, loss_tokens=300, flops=5e11))
+    s = t.summary({1: 9.0, 2: 1.0, 3: 1.0})  # step 1 (warm-up) is slow and left out
+    assert s["steady_state"] and s["steps_measured"] == 2 and s["train_time_s"] == 2.0
+    assert s["tokens_per_sec"] == 2 * 900 * 2 / 2.0  # 2 steps x 900 tokens x 2 ranks / 2 s
+    assert s["tokens_per_sec_per_device"] == 900.0
+    assert s["padded_tokens_per_sec"] == 2000.0
+    assert s["padding_fraction"] == pytest.approx(0.1)
+    assert s["tokens_real"] == 3 * 900 * 2 and s["tokens_padded"] == 3 * 1000 * 2
+    # model FLOP/s = 2 steps x 5e11 x 2 ranks / 2 s = 1e12; over 2 devices x 1e12 peak = 50%
+    assert s["mfu"] == pytest.approx(0.5)
+    assert s["median_step_time_s"] == 1.0
+
+
+def test_a_run_shorter_than_the_warm_up_says_so():
+    t = Throughput(world_size=1, skip_steps=5, peak_flops_per_device=None)
+    t.add(StepRecord(1, 10, 10, 1, 5, 1.0))
+    s = t.summary({1: 2.0})
+    assert not s["steady_state"] and s["tokens_per_sec"] == 5.0 and s["mfu"] is None
+
+
+def test_peak_table():
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert peak_flops("Tesla V100-SXM2-32GB", "fp16") == 125e12
+    assert peak_flops("Some Future GPU", "bf16") is None
+
+
+def _parts(recipe):
+    est = estimate_memory(recipe, compiled=False)
+    return {p.name: p.gib * GIB for p in est.parts}, est
+
+
+def _counts(recipe):
+    from litft.memory import _meta_model
+    from litft.model import model_config
+
+    model = _meta_model(recipe, model_config(recipe))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+@pytest.fixture
+def tiny(tiny_recipe):
+    return lambda **kw: tiny_recipe(**kw)
+
+
+def test_ledger_full_adamw_bf16_true_is_8_bytes_per_parameter(tiny):
+    r = tiny(method="full", precision="bf16-true", accelerator="auto")
+    parts, _ = _parts(r)
+    trainable, total = _counts(r)
+    assert trainable == total
+    assert parts["weights"] == pytest.approx(2 * total)
+    assert parts["gradients"] == pytest.approx(2 * total)
+    assert parts["optimizer state"] == pytest.approx(2 * 2 * total)
+
+
+def test_ledger_mixed_keeps_fp32_weights_gradients_and_state(tiny):
+    r = tiny(method="full", precision="bf16-mixed")
+    parts, _ = _parts(r)
+    _, total = _counts(r)
+    assert parts["weights"] == pytest.approx(4 * total)
+    assert parts["gradients"] == pytest.approx(4 * total)
+    assert parts["optimizer state"] == pytest.approx(8 * total)
+    assert "16-bit weight copies" in parts
+
+
+def test_ledger_lora_counts_gradients_and_state_for_adapters_only(tiny):
+    r = tiny(method="lora", precision="bf16-true", lora={"r": 4, "alpha": 8, "targets": ["q", "v"]})
+    parts, _ = _parts(r)
+    trainable, total = _counts(r)
+    assert 0 < trainable < total / 5
+    assert parts["weights"] == pytest.approx(2 * total)
+    assert parts["gradients"] == pytest.approx(2 * trainable)
+    assert parts["optimizer state"] == pytest.approx(4 * trainable)
+
+
+def test_ledger_qlora_packs_linear_weights_into_4_bits():
+    assert _quantized_bytes_per_param("nf4") == 0.5 + 4 / 64
+    assert _quantized_bytes_per_param("nf4-dq") == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+    lora = load_recipe("open-llama-7b-lora", validate_paths=False)
+    qlora = load_recipe("open-llama-7b-qlora", validate_paths=False)
+    w_lora = next(p.gib for p in estimate_memory(lora, compiled=False).parts if p.name == "weights")
+    w_qlora = next(p.gib for p in estimate_memory(qlora, compiled=False).parts if p.name == "weights")
+    # OpenLLaMA-7B: d 4096, 32 layers, MLP 11008, vocab 32000; LoRA r 16 on q,k,v,o,mlp
+    d, layers, f, vocab, r = 4096, 32, 11008, 32000, 16
+    linear = layers * (d * 3 * d + d * d + 3 * d * f) + vocab * d  # qkv, proj, 3 MLP matrices; the output layer
+    embedding, norms = vocab * d, layers * 2 * d + d
+    # qkv: A (3r x d) and B (3d x r); proj: r x d and d x r; fc_1, fc_2: r x d and f x r; mlp proj: r x f and d x r
+    adapters = layers * (3 * r * d + 3 * d * r + r * d + d * r + 2 * r * (d + f) + r * (f + d))
+    assert w_lora == pytest.approx((linear + embedding + norms + adapters) * 2 / GIB, rel=1e-6)
+    expected = linear * _quantized_bytes_per_param("nf4-dq") + (embedding + norms + adapters) * 2
+    assert w_qlora == pytest.approx(expected / GIB, rel=1e-6)
+
+
+def test_ledger_sgd_keeps_state_only_with_momentum(tiny):
+    plain = tiny(method="full", optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.0}})
+    momentum = tiny(method="full", optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "momentum": 0.9}})
+    _, total = _counts(plain)
+    assert _parts(plain)[0]["optimizer state"] == 0
+    assert _parts(momentum)[0]["optimizer state"] == pytest.approx(4 * total)  # fp32 on the CPU recipe
+
+
+def test_activations_scale_with_tokens_and_checkpointing_keeps_block_inputs(tiny):
+    r = tiny(method="full", precision="bf16-true")
+    a1 = dict((p.name, p.gib) for p in estimate_memory(r, tokens=100, compiled=False).parts)["activations"]
+    a2 = dict((p.name, p.gib) for p in estimate_memory(r, tokens=200, compiled=False).parts)["activations"]
+    assert a2 == pytest.approx(2 * a1)
+    ac = tiny(method="full", precision="bf16-true", train={"activation_checkpointing": True})
+    est = estimate_memory(ac, tokens=100, compiled=False)
+    acts = dict((p.name, p.gib * GIB) for p in est.parts)["activations"]
+    n_layer, n_embd = 2, 32
+    assert acts == pytest.approx(100 * (n_layer * n_embd * 2 + est.activations_per_token_layer))
+
+
+def test_estimate_cli_gives_a_verdict_and_ranked_fixes(capsys):
+    from litft.cli import main
+
+    assert main(["estimate", "--config", "open-llama-13b-full", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit in 80.0 GiB" in out
+    fixes = [line for line in out.splitlines() if line.startswith("  - ")]
+    assert fixes and "SGD" in out
+    assert main(["estimate", "--config", "open-llama-13b-full-sgd", "--gpu-memory", "80"]) == 0
+    assert "fits in 80.0 GiB" in capsys.readouterr().out
