@@ -19,7 +19,7 @@ commands:
   validate NAME|PATH [--key value ...]        check a recipe and overrides without running it
   estimate --config NAME|PATH [--gpu-memory 80] [--key value ...]
                                               predicted GPU memory, part by part, and what would fit
-  finetune --config NAME|PATH [--key value ...] [--overwrite]
+  finetune --config NAME|PATH [--key value ...] [--overwrite] [--resume auto|CHECKPOINT]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
   env                                         versions, GPUs and what litft can use on this machine
   compare PATH... [--format md|csv|json] [--fields f1,f2] [--by KEY] [--sort [-]KEY] [--plot DIR]
@@ -89,6 +89,7 @@ def cmd_finetune(args: list[str]) -> int:
         build_parser().print_help()
         return 0
     overwrite = _take_flag(args, "--overwrite")
+    resume = _take_option(args, "--resume")
     print_config = _take_flag(args, "--print_config")
     config = _take_option(args, "--config")
     if config is None:
@@ -102,7 +103,7 @@ def cmd_finetune(args: list[str]) -> int:
     strategy.LAUNCHED_FROM_CLI = True
     from litft.finetune import finetune
 
-    result = finetune(recipe, overwrite=overwrite)
+    result = finetune(recipe, overwrite=overwrite, resume=resume)
     return 0 if result.status == "ok" else 1
 
 

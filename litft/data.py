@@ -779,6 +779,10 @@ def build_dataloader(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        # Its own generator: each new iterator draws its workers' base seed from it, not from the global torch
+        # RNG, which the model's dropout uses; a resumed run then draws exactly the dropout masks the
+        # uninterrupted run drew (the order of samples comes from the sampler, seeded by (seed, epoch)).
+        generator=torch.Generator().manual_seed(0),
     )
 
 

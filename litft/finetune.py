@@ -64,15 +64,17 @@ class RunResult:
         return self.result[key]
 
 
-def finetune(recipe: Recipe, overwrite: bool = False) -> RunResult:
-    """Run a recipe. Raises a LitftError subclass (with its exit code) on bad input or a failed run."""
+def finetune(recipe: Recipe, overwrite: bool = False, resume: str | None = None) -> RunResult:
+    """Run a recipe. `resume`: 'auto' (the newest committed checkpoint in out_dir) or a checkpoint folder.
+    Raises a LitftError subclass (with its exit code) on bad input or a failed run."""
     problems = validate(recipe)
     if problems:
         raise ConfigError(problems)
     out_dir = resolve_path(recipe.out_dir)
-    check_out_dir(out_dir, overwrite)
+    if resume is None:
+        check_out_dir(out_dir, overwrite)
     fabric = build_fabric(recipe)
-    return fabric.launch(main, recipe)
+    return fabric.launch(main, recipe, resume)
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -100,7 +102,7 @@ class Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
-def main(fabric, recipe: Recipe) -> RunResult:
+def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     from litgpt.tokenizer import Tokenizer
 
     from litft.data import EpochBatchSampler, build_dataloader, prepare_data
@@ -113,10 +115,23 @@ def main(fabric, recipe: Recipe) -> RunResult:
     with phases("load"):
         tokenizer = Tokenizer(resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir))
         data = prepare_data(recipe.data, tokenizer, seed=recipe.seed)
+    checkpoint = None
+    if resume is not None:  # before anything is written: a refused resume leaves the run as it was
+        from litft.checkpoint import find_resume_checkpoint, load_checkpoint, resume_differences
+
+        checkpoint = load_checkpoint(find_resume_checkpoint(out_dir, resume))
+        refuse, warn = resume_differences(checkpoint["config"], recipe)
+        if refuse:
+            raise ConfigError([f"cannot resume from {checkpoint['path']}: {d}" for d in refuse])
+        for line in warn:
+            fabric.print(f"resume: {line}")
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "result.json"):  # --overwrite: start the files afresh
-            (out_dir / name).unlink(missing_ok=True)
+        if checkpoint is None:
+            for name in ("metrics.jsonl", "result.json"):  # --overwrite: start the files afresh
+                (out_dir / name).unlink(missing_ok=True)
+        else:
+            keep_metrics_until(out_dir / "metrics.jsonl", checkpoint["state"]["counters"]["step"])
         (out_dir / "config.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
     progress_lines: list[str] = []
 
@@ -194,6 +209,10 @@ def main(fabric, recipe: Recipe) -> RunResult:
     losses: dict[str, float | None] = {"train_first": None, "train_last": None, "val_initial": None, "val_final": None}
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0, "max_micro_tokens": 0}
     clock = metrics.StepClock(fabric.device)
+    if checkpoint is not None:
+        restore(checkpoint, fabric, model, optimizer, scheduler, train_sampler, state, losses, recipe)
+        progress.print(f"resumed from {checkpoint['path']} at step {state['step']} (epoch {state['epoch']},"
+                       f" micro-batch {state['batch_in_epoch']} of {len(train_sampler)})")
     try:
         if recipe.eval.initial:
             with phases("eval"):
@@ -250,7 +269,7 @@ def fit(
 ) -> None:
     """The loop: one iteration per optimizer step, `grad_accum` micro-batches each."""
     accum = recipe.grad_accum
-    batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state)
+    batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
     profiler = StepProfiler(recipe.logging.profile, out_dir / "profile", progress.print)
     while state["step"] < total_steps:
@@ -320,6 +339,10 @@ def fit(
             with phases("eval"):
                 val_loss = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
             progress.print(f"step {step}: val loss {val_loss:.4f}")
+
+        if recipe.train.save_interval and step % recipe.train.save_interval == 0:
+            with phases("save"):
+                save_training_state(fabric, recipe, model, optimizer, scheduler, train_sampler, state, losses, out_dir)
 
         if step % recipe.logging.interval == 0 or step == total_steps or val_loss is not None:
             clock.resolve()
@@ -423,6 +446,58 @@ def apply_memory_cap(recipe: Recipe, fabric, say) -> None:
     say(f"memory: capped at {cap:.1f} GiB of {total:.1f} GiB (memory_cap {recipe.memory_cap})")
 
 
+def save_training_state(fabric, recipe, model, optimizer, scheduler, sampler, state, losses, out_dir) -> None:
+    """A committed checkpoint of everything the next step depends on (see litft.checkpoint)."""
+    from litft.checkpoint import rng_states, save_checkpoint
+
+    gpt = unwrap(model)
+    trainable = trainable_state_dict(gpt) if recipe.method in ("lora", "qlora") else gpt.state_dict()
+    training_state = {
+        "counters": {k: state[k] for k in ("step", "epoch", "batch_in_epoch", "micro_batches")},
+        "data_position": sampler.position(state["epoch"], state["batch_in_epoch"]),
+        "scheduler": scheduler.state_dict(),
+        "losses": dict(losses),
+        "rng": rng_states(),
+    }
+    optimizer_state = optimizer.state_dict()
+    if fabric.global_rank == 0:
+        save_checkpoint(out_dir, recipe, state["step"], trainable, optimizer_state, training_state,
+                        recipe.train.keep_last_n)
+    fabric.barrier()
+
+
+def restore(checkpoint, fabric, model, optimizer, scheduler, sampler, state, losses, recipe) -> None:
+    """Put the run back where the checkpoint left it: weights, optimizer, schedule, data position, counters, RNG."""
+    from litft.checkpoint import restore_rng_states
+    from litft.errors import CheckpointError
+
+    gpt = unwrap(model)
+    result = gpt.load_state_dict(checkpoint["trainable"], strict=False)
+    expected = set(trainable_state_dict(gpt)) if recipe.method in ("lora", "qlora") else set(gpt.state_dict())
+    missing = expected & set(result.missing_keys)
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"{checkpoint['path']}/trainable.pth does not fit this model: missing {sorted(missing)[:3]},"
+            f" unexpected {result.unexpected_keys[:3]}"
+        )
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    saved = checkpoint["state"]
+    scheduler.load_state_dict(saved["scheduler"])
+    sampler.load_state_dict(saved["data_position"])
+    state.update(saved["counters"])
+    losses.update(saved["losses"])
+    restore_rng_states(saved["rng"])
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """A resumed run rewrites the steps after its checkpoint: drop their rows, so no step appears twice."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
 def model_inputs(batch: dict, device: torch.device) -> dict:
     """The tensors CausalLM.forward takes, on the device (copies overlap with compute: pinned memory, non_blocking)."""
     inputs = {key: batch[key].to(device, non_blocking=True) for key in ("input_ids", "labels")}
@@ -432,11 +507,14 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
     return inputs
 
 
-def micro_batches(loader, sampler, epochs: int, state: dict):
-    """Micro-batches across epochs, with `state` tracking the epoch and the position in it (what a resume needs)."""
+def micro_batches(loader, sampler, epochs: int, state: dict, resumed: bool = False):
+    """Micro-batches across epochs, with `state` tracking the epoch and the position in it (what a resume needs).
+    A resumed run's sampler was already placed mid-epoch (load_state_dict); set_epoch keeps that position."""
     while state["epoch"] < epochs:
         sampler.set_epoch(state["epoch"])
-        state["batch_in_epoch"] = 0
+        if not resumed:
+            state["batch_in_epoch"] = 0
+        resumed = False
         for batch in loader:
             state["batch_in_epoch"] += 1
             state["micro_batches"] += 1
@@ -632,11 +710,12 @@ def out_of_memory(recipe: Recipe, fabric, err: Exception) -> OutOfMemoryError:
     elif recipe.method == "lora":
         hints.append("method qlora")
     hints.append(f"data.max_seq_length {recipe.data.max_seq_length // 2}")
+    peak = (f"; peak allocated {mem['peak_allocated_gib']:.2f} GiB of {mem['device_total_gib']:.1f} GiB"
+            if mem["peak_allocated_gib"] is not None else "")
     return OutOfMemoryError(
-        f"out of GPU memory on rank {fabric.global_rank} with micro_batch_size {t.micro_batch_size}, max_seq_length"
-        f" {recipe.data.max_seq_length}, precision {recipe.precision}, method {recipe.method}; peak allocated"
-        f" {mem['peak_allocated_gib']:.2f} GiB of {mem['device_total_gib']:.1f} GiB. Try: " + "; ".join(hints)
-        + ". `litft estimate` predicts the memory of each choice."
+        f"out of memory on rank {fabric.global_rank} with micro_batch_size {t.micro_batch_size}, max_seq_length"
+        f" {recipe.data.max_seq_length}, precision {recipe.precision}, method {recipe.method}{peak} ({err})."
+        " Try: " + "; ".join(hints) + ". `litft estimate` predicts the memory of each choice."
     )
 
 

@@ -153,6 +153,13 @@ class TrainConfig:
     """Recompute each transformer block's activations in the backward pass: activation memory drops to about one
     block's worth plus the block inputs, for ~30% more compute."""
 
+    save_interval: Optional[int] = None
+    """Write a checkpoint every this many optimizer steps (out_dir/checkpoints/step-N, committed atomically), so
+    `--resume auto` can continue an interrupted run exactly. Unset: only the final weights are written."""
+
+    keep_last_n: int = 2
+    """Committed checkpoints to keep; an older one is deleted only after its successor is committed."""
+
     compile: Literal["auto", "always", "never"] = "auto"
     """torch.compile each transformer block (regional: one graph, compiled in seconds). 'auto' compiles on CUDA and
     runs eager on the CPU, where inductor's C++ compile costs minutes for little gain on small runs."""
@@ -715,6 +722,10 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
                 f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x devices ="
                 f" {t.micro_batch_size} x {recipe.devices} = {per_step}; try {lower} or {lower + per_step}"
             )
+    if t.save_interval is not None and t.save_interval < 1:
+        problems.append(f"train.save_interval: must be at least 1 or null, got {t.save_interval}")
+    if t.keep_last_n < 1:
+        problems.append(f"train.keep_last_n: must be at least 1 (the checkpoint to resume from), got {t.keep_last_n}")
     if t.loss_chunk < 0:
         problems.append(f"train.loss_chunk: must be 0 (no chunking) or positive, got {t.loss_chunk}")
     if t.max_steps is not None and t.max_steps < 1:

@@ -1,0 +1,227 @@
+"""Checkpoints that are whole or ignored, and exact resume.
+
+A checkpoint is a folder out_dir/checkpoints/step-NNNNNN holding:
+
+    trainable.pth   the trainable weights (LoRA/QLoRA: the adapters only)
+    optimizer.pth   the optimizer's state
+    state.pth       step counters, the data position (sampler epoch and batch), the LR scheduler, RNG states
+                    (python, numpy, torch CPU, CUDA per rank), the losses so far
+    config.yaml     the resolved recipe
+    COMMIT.json     written last: step, config hash, litft version, every file with its size and sha256
+
+It is written into a temporary folder beside it, every file fsynced, COMMIT.json last, then renamed into place and
+the parent folder fsynced. A folder without COMMIT.json, or whose files do not match it, is never resumed from. Old
+checkpoints are deleted only after their successor is committed (train.keep_last_n).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from litft.errors import CheckpointError, ConfigError
+from litft.recipe import Recipe, config_hash, recipe_to_dict, recipe_to_yaml
+
+COMMIT = "COMMIT.json"
+FILES = ("trainable.pth", "optimizer.pth", "state.pth", "config.yaml")
+
+
+def checkpoints_dir(out_dir: Path) -> Path:
+    return out_dir / "checkpoints"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def rng_states() -> dict[str, Any]:
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def save_checkpoint(out_dir: Path, recipe: Recipe, step: int, trainable: dict, optimizer: dict, state: dict,
+                    keep_last_n: int) -> Path:
+    """Write a committed checkpoint for `step` (rank 0 only), then drop checkpoints beyond keep_last_n."""
+    root = checkpoints_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    needed = _tensor_bytes(trainable) + _tensor_bytes(optimizer) + (1 << 20)
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise CheckpointError(
+            f"not enough disk space for the step-{step} checkpoint in '{root}': it needs about {needed / 2**30:.2f}"
+            f" GiB, {free / 2**30:.2f} GiB are free. The previous checkpoints are untouched; free space or set"
+            " train.keep_last_n lower"
+        )
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        torch.save(trainable, tmp / "trainable.pth")
+        torch.save(optimizer, tmp / "optimizer.pth")
+        torch.save(state, tmp / "state.pth")
+        (tmp / "config.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
+        delay = float(os.environ.get("LITFT_TEST_SAVE_DELAY", "0"))  # tests kill a run inside this window
+        if delay:
+            time.sleep(delay)
+        files = {}
+        for name in FILES:
+            _fsync_file(tmp / name)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        import litft
+
+        commit = {"step": step, "config_hash": config_hash(recipe), "litft": litft.__version__, "files": files}
+        (tmp / COMMIT).write_text(json.dumps(commit, indent=2), encoding="utf-8")
+        _fsync_file(tmp / COMMIT)
+        if final.exists():  # a committed checkpoint of the same step (a rerun): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write the step-{step} checkpoint in '{root}': {err.strerror or err}. The previous"
+            " checkpoints are untouched"
+        ) from None
+    for old in committed_checkpoints(out_dir)[:-max(1, keep_last_n)]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step-*"):  # leftovers of a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def committed_checkpoints(out_dir: Path) -> list[Path]:
+    """Checkpoint folders with a commit marker, oldest first (files are verified when one is loaded)."""
+    root = checkpoints_dir(out_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / COMMIT).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def find_resume_checkpoint(out_dir: Path, resume: str) -> Path:
+    """`resume`: 'auto' (the newest committed checkpoint in out_dir) or a checkpoint folder."""
+    if resume == "auto":
+        committed = committed_checkpoints(out_dir)
+        if not committed:
+            raise ConfigError(
+                f"resume: auto found no committed checkpoint in '{checkpoints_dir(out_dir)}'; set"
+                " train.save_interval to write checkpoints, or start without --resume"
+            )
+        return committed[-1]
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"resume: '{resume}' is not a checkpoint folder")
+    if not (path / COMMIT).is_file():
+        raise CheckpointError(f"resume: '{path}' has no {COMMIT}: the save did not finish, so it is not used")
+    return path
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Verify the commit marker against the files, then load them. Any mismatch is a CheckpointError."""
+    try:
+        commit = json.loads((path / COMMIT).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"'{path / COMMIT}' cannot be read: {err}") from None
+    for name, meta in commit["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint '{path}' lacks {name}, which its {COMMIT} lists")
+        size = file.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(f"'{file}' is truncated or altered: {size} bytes, {COMMIT} says {meta['bytes']}")
+        if _sha256(file) != meta["sha256"]:
+            raise CheckpointError(f"'{file}' is corrupt: its sha256 differs from the one in {COMMIT}")
+    try:
+        loaded = {
+            name.split(".")[0]: torch.load(path / name, map_location="cpu", weights_only=False)
+            for name in FILES if name.endswith(".pth")
+        }
+    except Exception as err:
+        raise CheckpointError(f"checkpoint '{path}' cannot be loaded: {type(err).__name__}: {err}") from None
+    import yaml
+
+    loaded["config"] = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+    loaded["commit"] = commit
+    loaded["path"] = path
+    return loaded
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What may change between a run and its resumption
+# ----------------------------------------------------------------------------------------------------------------------
+
+# Changing these would make the resumed run a different run: refused.
+_MUST_MATCH = (
+    "model", "init", "method", "lora", "quantize", "precision", "data.path", "data.val_path", "data.val_split",
+    "data.fields", "data.prompt_style", "data.max_seq_length", "data.mask_prompt", "data.packing",
+    "train.global_batch_size", "train.micro_batch_size", "devices", "seed", "optimizer.class_path",
+)
+# Changing these is allowed; the resumed run says which value wins.
+_WARN = ("train.epochs", "train.max_steps", "train.warmup_steps", "train.lr_schedule", "train.min_lr_ratio",
+         "train.max_grad_norm", "optimizer.init_args")
+
+
+def _get(values: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        values = values.get(part) if isinstance(values, dict) else None
+    return values
+
+
+def resume_differences(saved: dict, recipe: Recipe) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) comparing the checkpoint's config with the recipe of the resuming run."""
+    now = recipe_to_dict(recipe)
+    refuse = [f"{key}: checkpoint {_get(saved, key)!r}, now {_get(now, key)!r}"
+              for key in _MUST_MATCH if _get(saved, key) != _get(now, key)]
+    warn = [f"{key}: checkpoint {_get(saved, key)!r}, now {_get(now, key)!r} (the new value is used)"
+            for key in _WARN if _get(saved, key) != _get(now, key)]
+    return refuse, warn

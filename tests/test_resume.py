@@ -1,0 +1,190 @@
+"""Training that survives: committed checkpoints, exact resume, and one clear exit code per kind of failure."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import litft
+from litft.checkpoint import committed_checkpoints
+from litft.errors import CheckpointError, ConfigError, NonFiniteLossError, OutOfMemoryError
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _resumable(tiny_recipe, method, train=None, **extra):
+    # 72 training samples / micro 4 = 18 micro-batches = 9 steps of accumulation 2 per epoch; 12 steps cross it
+    settings = dict(
+        method=method,
+        lora={"r": 4, "alpha": 8, "dropout": 0.1, "targets": ["q", "v", "mlp"]},
+        optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3}},
+        eval={"initial": False, "final": False, "interval": 0},
+        data={"val_split": 0.1, "max_seq_length": 160},
+    )
+    settings.update(extra)
+    train_settings = {"max_steps": 12, "epochs": 2, "save_interval": 1, "keep_last_n": 20, "micro_batch_size": 4,
+                      "global_batch_size": 8, **(train or {})}
+    return tiny_recipe(train=train_settings, **settings)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_recipe, tmp_path, method):
+    recipe = _resumable(tiny_recipe, method)
+    whole = litft.finetune(recipe)
+    assert whole.result["batch"]["grad_accum"] == 2
+    reference_rows = _rows(whole.out_dir)
+    reference_weights = {k: v.clone() for k, v in whole.model.state_dict().items()}
+    assert len(committed_checkpoints(whole.out_dir)) == 12
+    steps_per_epoch = 9
+
+    for k in (4, steps_per_epoch):  # mid-epoch, and exactly at the epoch boundary
+        out_dir = tmp_path / f"resume-{k}"
+        shutil.copytree(whole.out_dir, out_dir)
+        checkpoint = out_dir / "checkpoints" / f"step-{k:06d}"
+        again = litft.finetune(_resumable(tiny_recipe, method, out_dir=str(out_dir)), resume=str(checkpoint))
+        rows = _rows(out_dir)
+        assert [r["step"] for r in rows] == list(range(1, 13))  # no step twice, none missing
+        assert [r["loss"] for r in rows] == [r["loss"] for r in reference_rows]  # exact, on the CPU
+        for name, value in again.model.state_dict().items():
+            assert torch.equal(value, reference_weights[name]), f"{name} differs after resuming at step {k}"
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_and_resume_auto_skips_the_partial_one(
+    tiny_checkpoint_dir, tiny_data_path, tmp_path
+):
+    out_dir = tmp_path / "run"
+    args = [
+        sys.executable, "-m", "litft.cli", "finetune", "--model.checkpoint_dir", str(tiny_checkpoint_dir),
+        "--accelerator", "cpu", "--precision", "32-true", "--method", "full", "--data.path", str(tiny_data_path),
+        "--data.max_seq_length", "160", "--data.num_workers", "0", "--train.global_batch_size", "8",
+        "--train.epochs", "2",
+        "--train.micro_batch_size", "4", "--train.max_steps", "6", "--train.save_interval", "2",
+        "--eval.initial", "false", "--eval.interval", "0", "--logging.progress", "plain", "--out_dir", str(out_dir),
+    ]
+    env = {**os.environ, "LITFT_TEST_SAVE_DELAY": "2"}
+    config = tmp_path / "empty.yaml"
+    config.write_text("{}\n")
+    proc = subprocess.Popen(args[:4] + ["--config", str(config)] + args[4:], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    partial = []
+    while time.time() < deadline and proc.poll() is None:
+        partial = list((out_dir / "checkpoints").glob(".tmp-step-000004-*")) if (out_dir / "checkpoints").is_dir() else []
+        if partial:
+            break
+        time.sleep(0.1)
+    assert partial, "the run never reached its step-4 save"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert [p.name for p in committed_checkpoints(out_dir)] == ["step-000002"]
+    assert list((out_dir / "checkpoints").glob(".tmp-step-*"))  # the killed save's debris is there
+
+    resumed = subprocess.run(args[:4] + ["--config", str(config)] + args[4:] + ["--resume", "auto"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "step-000002" in resumed.stdout
+    assert [r["step"] for r in _rows(out_dir)] == [1, 2, 3, 4, 5, 6]
+    assert not list((out_dir / "checkpoints").glob(".tmp-step-*"))  # cleaned by the next committed save
+
+
+def test_a_corrupt_or_truncated_checkpoint_is_named_with_the_reason(tiny_recipe, tmp_path):
+    recipe = _resumable(tiny_recipe, "full", train={"max_steps": 2, "save_interval": 1})
+    litft.finetune(recipe)
+    step1 = committed_checkpoints(recipe_out := litft.recipe.resolve_path(recipe.out_dir))[0]
+    weights = step1 / "trainable.pth"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="trainable.pth' is truncated or altered"):
+        litft.finetune(recipe, resume=str(step1))
+    (step1 / "COMMIT.json").unlink()
+    with pytest.raises(CheckpointError, match="has no COMMIT.json: the save did not finish"):
+        litft.finetune(recipe, resume=str(step1))
+    assert recipe_out.is_dir()
+
+
+def test_resuming_with_a_changed_setting_that_matters_is_refused_with_the_difference(tiny_recipe, tmp_path):
+    recipe = _resumable(tiny_recipe, "lora", train={"max_steps": 2, "save_interval": 1})
+    litft.finetune(recipe)
+    changed = _resumable(tiny_recipe, "lora", train={"max_steps": 2, "save_interval": 1},
+                         lora={"r": 8, "alpha": 8, "dropout": 0.1, "targets": ["q", "v", "mlp"]})
+    with pytest.raises(ConfigError) as info:
+        litft.finetune(changed, resume="auto")
+    assert any("lora: checkpoint" in p and "'r': 4" in p and "'r': 8" in p for p in info.value.problems)
+    with pytest.raises(ConfigError, match="found no committed checkpoint"):
+        litft.finetune(_resumable(tiny_recipe, "lora", out_dir=str(tmp_path / "empty")), resume="auto")
+
+
+def test_non_finite_loss_stops_before_the_update_with_step_and_rank(tiny_recipe):
+    recipe = tiny_recipe(
+        method="full", optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 1e30}},
+        train={"max_steps": 4, "save_interval": 1, "max_grad_norm": None}, eval={"initial": False, "interval": 0},
+    )
+    with pytest.raises(NonFiniteLossError) as info:
+        litft.finetune(recipe)
+    message = str(info.value)
+    assert info.value.exit_code == 3
+    assert "at step 2 (rank 0)" in message and "weights are those of step 1" in message
+    out_dir = litft.recipe.resolve_path(recipe.out_dir)
+    assert [p.name for p in committed_checkpoints(out_dir)] == ["step-000001"]  # no checkpoint of the bad state
+
+
+def test_data_errors_exit_5_with_file_and_line_before_anything_is_written(tiny_checkpoint_dir, tmp_path, capsys):
+    from litft.cli import main
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')
+    out_dir = tmp_path / "run"
+    code = main(["finetune", "--config", "demo", "--model.checkpoint_dir", str(tiny_checkpoint_dir),
+                 "--data.path", str(data), "--out_dir", str(out_dir)])
+    err = capsys.readouterr().err
+    assert code == 5
+    assert "bad.jsonl" in err and "line 2" in err
+    assert not out_dir.exists()
+
+
+def test_out_of_memory_exits_4_naming_the_batch_and_what_would_help(tiny_recipe, monkeypatch, capsys):
+    from litft.model import CausalLM
+
+    def exhausted(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(CausalLM, "forward", exhausted)
+    recipe = tiny_recipe(method="full", eval={"initial": False})
+    with pytest.raises(OutOfMemoryError) as info:
+        litft.finetune(recipe)
+    message = str(info.value)
+    assert info.value.exit_code == 4
+    assert "micro_batch_size 4" in message and "max_seq_length 96" in message and "precision 32-true" in message
+    assert "train.micro_batch_size 2" in message and "activation_checkpointing" in message
+
+
+def test_a_full_disk_fails_the_save_with_exit_6_and_keeps_the_previous_checkpoint(tiny_recipe, monkeypatch):
+    import litft.checkpoint as ckpt
+
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def save(obj, path, *args, **kwargs):
+        if ".tmp-step-000002" in str(path):
+            calls["n"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", save)
+    recipe = _resumable(tiny_recipe, "full", train={"max_steps": 3, "save_interval": 1})
+    with pytest.raises(CheckpointError) as info:
+        litft.finetune(recipe)
+    assert info.value.exit_code == 6 and "No space left on device" in str(info.value)
+    out_dir = litft.recipe.resolve_path(recipe.out_dir)
+    assert [p.name for p in committed_checkpoints(out_dir)] == ["step-000001"]
+    assert not list((out_dir / "checkpoints").glob(".tmp-*"))
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    assert ckpt.load_checkpoint(committed_checkpoints(out_dir)[0])["commit"]["step"] == 1
