@@ -13,7 +13,7 @@ from litft.errors import ConfigError, LitftError
 USAGE = """usage: litft <command> [options]
 
 commands:
-  ls [--model M] [--method full|lora|qlora]   the shipped recipes
+  ls [--model M] [--method full|lora|qlora]   the shipped recipes (est. GiB once `litft estimate` traced one)
   show NAME|PATH [--resolved]                 a recipe's YAML (with its comments), or the resolved config
   cp NAME DEST [--force]                      copy a shipped recipe to edit it
   validate NAME|PATH [--key value ...]        check a recipe and overrides without running it
@@ -187,8 +187,11 @@ def cmd_ls(args: list[str]) -> int:
     if args:
         raise ConfigError(f"ls: unexpected arguments {' '.join(args)} (filters: --model M, --method full|lora|qlora)")
     table = Table(title="litft recipes (litft show NAME for details)", title_justify="left")
-    for column in ("name", "model", "method", "precision", "optimizer", "micro x accum x devices", "seq", "about"):
+    for column in ("name", "model", "method", "precision", "optimizer", "micro x accum x devices", "seq",
+                   "est. GiB", "about"):
         table.add_column(column)
+    from litft.memory import estimate_memory
+
     for name in recipe_names():
         recipe = load_recipe(name, validate_paths=False)
         model = recipe.model.name or str(recipe.model.checkpoint_dir)
@@ -200,10 +203,19 @@ def cmd_ls(args: list[str]) -> int:
         table.add_row(
             name, model, method, recipe.precision, recipe.optimizer.class_path.rpartition(".")[2],
             f"{recipe.train.micro_batch_size} x {recipe.grad_accum} x {recipe.devices}",
-            str(recipe.data.max_seq_length), _recipe_summary(name),
+            str(recipe.data.max_seq_length), _known_estimate(estimate_memory, recipe), _recipe_summary(name),
         )
     Console(width=200 if not sys.stdout.isatty() else None).print(table)
     return 0
+
+
+def _known_estimate(estimate_memory, recipe) -> str:
+    """Predicted peak GiB per GPU when its activation trace is cached (after `litft estimate` or a run), else '-'."""
+    try:
+        est = estimate_memory(recipe, cached_only=True)
+    except Exception:
+        return "-"
+    return f"{est.device_gib:.1f}" if est is not None else "-"
 
 
 def _recipe_summary(name: str) -> str:

@@ -173,7 +173,9 @@ def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_
 _TRACE_CACHE: dict[tuple, int] = {}
 
 
-def activation_bytes_per_token_layer(recipe: Recipe, config, compiled: bool | None = None) -> int:
+def activation_bytes_per_token_layer(
+    recipe: Recipe, config, compiled: bool | None = None, cached_only: bool = False
+) -> int | None:
     """Bytes autograd saves per token in one transformer block of this architecture, method and precision.
 
     Traced at two token counts and taken as the slope, so that anything saved once per step rather than per token
@@ -186,6 +188,8 @@ def activation_bytes_per_token_layer(recipe: Recipe, config, compiled: bool | No
                 compiled, torch.__version__))
     if key not in _TRACE_CACHE:
         _TRACE_CACHE.update(_load_disk_cache())
+    if key not in _TRACE_CACHE and cached_only:
+        return None
     if key not in _TRACE_CACHE:
         measure = _saved_bytes_compiled if compiled else _saved_bytes
         small, large = measure(recipe, config, 16), measure(recipe, config, 48)
@@ -326,11 +330,14 @@ class _null:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def estimate_memory(recipe: Recipe, config=None, tokens: int | None = None, compiled: bool | None = None) -> MemoryEstimate:
+def estimate_memory(
+    recipe: Recipe, config=None, tokens: int | None = None, compiled: bool | None = None, cached_only: bool = False
+) -> MemoryEstimate | None:
     """Predict the peak GPU memory of a recipe, per GPU, part by part.
 
     `tokens`: positions in the largest micro-batch (a run passes what its data can form); by default the recipe's
-    bound, micro_batch_size x max_seq_length."""
+    bound, micro_batch_size x max_seq_length. `cached_only`: return None rather than trace the activations (used by
+    `litft ls`, which must stay instant)."""
     from litft.model import model_config
 
     config = config or model_config(recipe)
@@ -373,7 +380,9 @@ def estimate_memory(recipe: Recipe, config=None, tokens: int | None = None, comp
 
     # activations
     tokens = tokens or recipe.train.micro_batch_size * recipe.data.max_seq_length
-    per_token_layer = activation_bytes_per_token_layer(recipe, config, compiled)
+    per_token_layer = activation_bytes_per_token_layer(recipe, config, compiled, cached_only)
+    if per_token_layer is None:  # cached_only and not traced yet
+        return None
     if recipe.train.activation_checkpointing:
         block_input = config.n_embd * compute_bytes
         acts = tokens * (config.n_layer * block_input + per_token_layer)

@@ -138,3 +138,18 @@ def test_gradient_accumulation_is_equivalent_to_a_bigger_micro_batch(tiny_recipe
     assert losses_a == pytest.approx(losses_b, abs=1e-5)
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_activation_checkpointing_changes_memory_not_the_result(tiny_recipe, tmp_path):
+    common = dict(method="lora", lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "v", "mlp"]},
+                  eval={"initial": False, "final": True, "interval": 0})
+    plain = litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / "plain")))
+    checkpointed = litft.finetune(
+        tiny_recipe(**common, out_dir=str(tmp_path / "ac"), train={"activation_checkpointing": True})
+    )
+    losses = [[r["loss"] for r in _read_rows(run.out_dir / "metrics.jsonl")] for run in (plain, checkpointed)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert checkpointed.val_loss == pytest.approx(plain.val_loss, rel=1e-6)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    assert all(isinstance(block, CheckpointWrapper) for block in checkpointed.model.transformer.h)
