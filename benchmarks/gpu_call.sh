@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
-#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | litgpt:<name> (benchmarks/vs_litgpt.py)
+#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
@@ -23,8 +23,6 @@ for step in "$@"; do
     gpu-tests) timeout "$left" python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || status=1 ;;
     set:*) timeout "$left" python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
            tail -30 "$OUT/${step#set:}.log" ;;
-    litgpt:*) timeout "$left" python3 benchmarks/vs_litgpt.py "${step#litgpt:}" --out "$OUT/${step#litgpt:}" > "$OUT/${step#litgpt:}.log" 2>&1 || status=1
-           tail -40 "$OUT/${step#litgpt:}.log" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
