@@ -279,9 +279,12 @@ def fit(
         state["max_micro_tokens"] = max(state["max_micro_tokens"], *(b["tokens_padded"] for b in step_batches))
         # Normalise by the step's loss tokens over all ranks, so each loss token weighs the same however the global
         # batch is split into micro-batches and devices. DDP averages gradients over ranks, hence the x world_size.
-        loss_tokens = torch.tensor(sum(b["loss_tokens"] for b in step_batches), device=fabric.device)
-        loss_tokens = fabric.all_reduce(loss_tokens, reduce_op="sum") if fabric.world_size > 1 else loss_tokens
-        denominator = loss_tokens.clamp(min=1).float() / fabric.world_size
+        loss_tokens = sum(b["loss_tokens"] for b in step_batches)  # counted on the CPU by the collate
+        if fabric.world_size > 1:  # a device tensor only when ranks must agree on it (one small all-reduce)
+            total = fabric.all_reduce(torch.tensor(loss_tokens, device=fabric.device), reduce_op="sum")
+            denominator = total.clamp(min=1).float() / fabric.world_size
+        else:  # a Python number: no host-to-device copy, which would wait for the previous step to finish
+            denominator = float(max(loss_tokens, 1))
 
         clock.start()
         loss_sum = torch.zeros((), device=fabric.device)
