@@ -546,8 +546,8 @@ def collate_packed(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[
     attention never crosses a sample boundary. The row is padded to a multiple of PACK_MULTIPLE; the padding is a
     segment of its own with no loss.
 
-    Returns input_ids/labels/positions of shape (1, N), ``cu_seqlens`` (int32, one more than the segments),
-    ``max_length`` (the longest segment) and the same counts as :func:`collate`.
+    Returns input_ids/labels/positions of shape (1, N), ``cu_seqlens`` (int32, one more than the segments) and the
+    same counts as :func:`collate`.
     """
     lengths = [len(sample["input_ids"]) for sample in samples]
     total = sum(lengths)
@@ -570,7 +570,6 @@ def collate_packed(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[
         "labels": labels,
         "positions": positions,
         "cu_seqlens": torch.tensor(boundaries, dtype=torch.int32),
-        "max_length": max(max(lengths), width - total),
         "tokens_real": total,
         "tokens_padded": width,
         "loss_tokens": int((labels != IGNORE_INDEX).sum()),

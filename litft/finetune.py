@@ -28,6 +28,7 @@ from litft.model import (
     build_model,
     compile_blocks,
     count_parameters,
+    fast_path_problems,
     use_fast_layers,
     merge_lora_checkpoint,
     model_config,
@@ -146,6 +147,10 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
 
     # ---- the predicted ledger (CPU, seconds) and the memory cap, before anything is on the GPU ----
     config = model_config(recipe)
+    unsupported = fast_path_problems(config)
+    if unsupported:  # litft's training forward repeats only what Llama-family models need from GPT.forward
+        raise ConfigError(f"model: {config.name} uses {', '.join(unsupported)}, which litft's training forward does"
+                          " not implement; use a Llama-family model (TinyLlama, OpenLLaMA, Llama, ...)")
     compiled = recipe.train.compile == "always" or (recipe.train.compile == "auto" and fabric.device.type == "cuda")
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:

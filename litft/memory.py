@@ -26,6 +26,7 @@ reserved figure, but part of the GPU's memory) is listed apart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -222,19 +223,12 @@ def _save_disk_cache(key: str, value: int) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         cache = _load_disk_cache()
-        cache[hashlib_key(key)] = value
         cache[key] = value
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache))
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: trace again next time
-
-
-def hashlib_key(key: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _trace_block(recipe: Recipe, config, tokens: int):
@@ -284,8 +278,7 @@ def _saved_bytes_compiled(recipe: Recipe, config, tokens: int) -> int:
         backend = aot_autograd(fw_compiler=lambda gm, inputs: gm, bw_compiler=backward_compiler,
                                partition_fn=min_cut_rematerialization_partition)
         torch._dynamo.reset()
-        autocast = torch.autocast("cpu", dtype=x.dtype) if recipe.precision.endswith("-mixed") else _null()
-        with autocast:
+        with _autocast(recipe, x.dtype):
             out = torch.compile(block, backend=backend, dynamic=False)(x, cos, sin)
         out.float().sum().backward()
         torch._dynamo.reset()
@@ -311,18 +304,14 @@ def _saved_bytes(recipe: Recipe, config, tokens: int) -> int:
                 saved[ptr] = storage.nbytes()
             return t
 
-        autocast = torch.autocast("cpu", dtype=x.dtype) if recipe.precision.endswith("-mixed") else _null()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(recipe, x.dtype):
             block(x, cos, sin)
     return sum(saved.values())
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _autocast(recipe: Recipe, dtype: torch.dtype):
+    """-mixed precision traces under CPU autocast (16-bit matmuls over fp32 weights); others need no context."""
+    return torch.autocast("cpu", dtype=dtype) if recipe.precision.endswith("-mixed") else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
