@@ -25,6 +25,7 @@ BENCH_DATA = ["--data.path", "out/bench-data/alpaca_like.json"]  # benchmarks/ma
 QUIET = ["--logging.progress", "plain", "--logging.interval", "5", "--eval.initial", "false", "--eval.final", "false",
          "--eval.interval", "0"]
 GPU = RANDOM + BENCH_DATA + QUIET
+PROFILE = ["--logging.profile", "8-9", "--logging.interval", "1"]
 
 
 def steps(n: int) -> list[str]:
@@ -60,6 +61,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("open-llama-13b-full", "open-llama-13b-full", GPU + steps(4)),
         ("open-llama-13b-full-sgd", "open-llama-13b-full-sgd", GPU + steps(4)),
         ("open-llama-13b-lora", "open-llama-13b-lora", GPU + steps(4)),
+    ],
+    # Issue 5: where a LoRA step's time goes. Each run prints the profiler's top ops for steps 8-9 and how busy the
+    # device was (kernel time / wall time); logging every step shows the compile steps' cost.
+    "profile-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(12) + PROFILE),
+        ("lora-eager", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.compile", "never"]),
+        ("lora-micro16", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.micro_batch_size", "16"]),
+        ("full", "tiny-llama-full", GPU + steps(12) + PROFILE),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [

@@ -391,28 +391,47 @@ def no_range(name: str):
 
 
 class StepProfiler:
-    """torch.profiler over optimizer steps START-END (logging.profile), written as a TensorBoard/Perfetto trace."""
+    """torch.profiler over optimizer steps START-END (logging.profile), written as a TensorBoard/Perfetto trace.
+
+    Also prints the top ops and how busy the device was: kernel time over wall time of the window. A busy fraction
+    well below 100% means the GPU waits for the host (Python, launches, syncs): bigger micro-batches, fewer
+    kernels (torch.compile) or CUDA graphs help; near 100% means the kernels themselves are the cost."""
 
     def __init__(self, window: str | None, directory: Path, say) -> None:
         self.start, self.end = (int(x) for x in window.split("-")) if window else (0, -1)
-        self.directory, self.say, self._prof = directory, say, None
+        self.directory, self.say, self._prof, self._t0 = directory, say, None, 0.0
 
     def before(self, step: int) -> None:
         if step == self.start:
             from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            cuda = torch.cuda.is_available()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             self._prof = profile(
                 activities=activities, record_shapes=True, profile_memory=True, with_stack=False,
                 on_trace_ready=tensorboard_trace_handler(str(self.directory)),
             )
+            if cuda:
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
             self._prof.__enter__()
 
     def after(self, step: int) -> None:
         if self._prof is not None and step == self.end:
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - self._t0) * 1000
             self._prof.__exit__(None, None, None)
-            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-            self.say(self._prof.key_averages().table(sort_by=sort, row_limit=25))
+            averages = self._prof.key_averages()
+            sort = "cuda_time_total" if cuda else "cpu_time_total"
+            self.say(averages.table(sort_by=sort, row_limit=25))
+            steps = self.end - self.start + 1
+            if cuda:
+                kernels = [e for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                busy_ms = sum(e.device_time_total for e in kernels) / 1000  # microseconds -> ms, copies included
+                self.say(f"profiler: {steps} steps, {wall_ms:.1f} ms wall, device busy {busy_ms:.1f} ms"
+                         f" ({100 * busy_ms / wall_ms:.0f}%), {len(kernels) / steps:.0f} kernels per step")
             self._prof = None
             self.say(f"profiler: steps {self.start}-{self.end} written to {self.directory} (tensorboard --logdir"
                      f" {self.directory}, or open the .pt.trace.json in ui.perfetto.dev)")
