@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
-#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set)
+#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
@@ -23,10 +23,15 @@ for step in "$@"; do
     gpu-tests) timeout "$left" python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || status=1 ;;
     set:*) timeout "$left" python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
            tail -30 "$OUT/${step#set:}.log" ;;
+    host:*) timeout "$left" python3 benchmarks/host_overhead.py --recipe "${step#host:}" --out "$OUT/host" \
+              2>&1 | tee "$OUT/host-${step#host:}.log" | grep -v "^ " || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
 # what comes back: one tarball (tables, logs, every run's result.json and metrics) and the tables in one summary
-tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' . 2>/dev/null
-cat "$OUT"/env.txt "$OUT"/*/*.md > "$RESULTS/summary.md" 2>/dev/null
+# (profiler traces stay behind: one is tens of MB, over the 16 MiB a returned file may have; their top-ops tables are
+# in each run's log.txt)
+tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' \
+  --exclude='profile' . 2>/dev/null
+cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log > "$RESULTS/summary.md" 2>/dev/null
 exit $status

@@ -70,6 +70,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-micro16", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.micro_batch_size", "16"]),
         ("full", "tiny-llama-full", GPU + steps(12) + PROFILE),
     ],
+    # Issue 5: CUDA graphs of the micro-step on and off (each run also reports compile + capture in its first steps).
+    "graphs-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(25)),
+        ("lora-eager", "tiny-llama-lora", GPU + steps(25) + ["--train.compile", "never"]),
+        ("lora-no-graphs", "tiny-llama-lora", GPU + steps(25) + ["--train.cuda_graphs", "never"]),
+        ("full", "tiny-llama-full", GPU + steps(25)),
+        ("qlora", "tiny-llama-qlora", GPU + steps(25)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -505,8 +505,9 @@ class SFTDataset(Dataset):
         return {"input_ids": input_ids, "labels": labels}
 
 
-def collate(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, Any]:
-    """Right-pad a micro-batch to its longest sample: input_ids with ``pad_id``, labels with IGNORE_INDEX.
+def collate(samples: list[dict[str, torch.Tensor]], pad_id: int, multiple: int = 1) -> dict[str, Any]:
+    """Right-pad a micro-batch to its longest sample (rounded up to ``multiple``): input_ids with ``pad_id``,
+    labels with IGNORE_INDEX.
 
     Returns ``input_ids`` and ``labels`` of shape (B, T), plus plain-int counts computed here on the CPU, so that
     the loop can log them with no device sync: ``tokens_real`` (sum of the samples' lengths), ``tokens_padded``
@@ -515,7 +516,7 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, An
     pad_id only has to be a valid token id.
     """
     lengths = [len(sample["input_ids"]) for sample in samples]
-    batch, width = len(samples), max(lengths)
+    batch, width = len(samples), -(-max(lengths) // multiple) * multiple
     input_ids = torch.full((batch, width), pad_id, dtype=torch.int64)
     labels = torch.full((batch, width), IGNORE_INDEX, dtype=torch.int64)
     for row, (sample, length) in enumerate(zip(samples, lengths)):
@@ -536,22 +537,30 @@ PACK_MULTIPLE = 16
 """A packed row is padded up to a multiple of this many positions (aligned matmuls; fewer distinct shapes for
 torch.compile): at most 15 padded positions per micro-batch."""
 
+GRAPH_MULTIPLE = 256
+"""Row-length step when micro-steps replay as CUDA graphs: each distinct shape costs one capture (and a compile for
+a static-shape compiler), so rows are padded to a multiple of 256 positions: ~8 shapes for 4 x 512-token samples,
+at ~128 padded positions per micro-batch on average."""
 
-def collate_packed(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, Any]:
+
+def collate_packed(
+    samples: list[dict[str, torch.Tensor]], pad_id: int, multiple: int = PACK_MULTIPLE, segments: int | None = None
+) -> dict[str, Any]:
     """Concatenate a micro-batch's samples into ONE row, with attention kept within each sample ("padding-free").
 
     Same samples as :func:`collate` (so the same loss and batch arithmetic), but no padding to the longest sample:
     the model sees B x mean-length positions instead of B x max-length. Each sample restarts its positions at 0
     (rotary embeddings see the same positions as unpacked), and ``cu_seqlens`` marks where each sample starts, so
-    attention never crosses a sample boundary. The row is padded to a multiple of PACK_MULTIPLE; the padding is a
-    segment of its own with no loss.
+    attention never crosses a sample boundary. The row is padded to a multiple of ``multiple``; the padding is a
+    segment of its own with no loss. ``segments``: give cu_seqlens exactly segments + 1 entries (trailing empty
+    segments), so that every micro-batch of a run has the same tensor shapes apart from the row length.
 
     Returns input_ids/labels/positions of shape (1, N), ``cu_seqlens`` (int32, one more than the segments) and the
     same counts as :func:`collate`.
     """
     lengths = [len(sample["input_ids"]) for sample in samples]
     total = sum(lengths)
-    width = -(-total // PACK_MULTIPLE) * PACK_MULTIPLE
+    width = -(-total // multiple) * multiple
     input_ids = torch.full((1, width), pad_id, dtype=torch.int64)
     labels = torch.full((1, width), IGNORE_INDEX, dtype=torch.int64)
     positions = torch.zeros((1, width), dtype=torch.int64)
@@ -562,9 +571,10 @@ def collate_packed(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[
         labels[0, start : start + length] = sample["labels"]
         positions[0, start : start + length] = torch.arange(length)
         boundaries.append(start + length)
-    if width > total:  # the padding tail: its own segment, so no real token attends to it
-        positions[0, total:] = torch.arange(width - total)
-        boundaries.append(width)
+    if width > total:  # the padding tail: its own segment (no real token attends to it), at position 0 (a tail
+        boundaries.append(width)  # longer than the model's context must not index past its rotary table)
+    if segments is not None:  # empty segments (zero-length samples) keep the shape fixed; attention skips them
+        boundaries += [width] * (segments + 1 - len(boundaries))
     return {
         "input_ids": input_ids,
         "labels": labels,
@@ -762,9 +772,13 @@ class EpochBatchSampler(Sampler[list[int]]):
 
 
 def build_dataloader(
-    dataset: SFTDataset, sampler: EpochBatchSampler, pad_id: int, num_workers: int, packing: bool = False
+    dataset: SFTDataset, sampler: EpochBatchSampler, pad_id: int, num_workers: int, packing: bool = False,
+    fixed_shapes: bool = False,
 ) -> DataLoader:
     """A DataLoader driven by ``sampler`` (as its batch_sampler) and :func:`collate` (or :func:`collate_packed`).
+
+    ``fixed_shapes``: few distinct batch shapes, for CUDA graphs (one capture per shape): rows padded to a multiple
+    of GRAPH_MULTIPLE (packed) or 64 (padded batches), and cu_seqlens of one length (micro_batch_size + 2).
 
     The collate function is a ``functools.partial`` of a module-level function, so it pickles into worker processes
     under any start method. Memory is pinned only when CUDA is present (pinning on a CPU-only machine warns and helps
@@ -774,7 +788,7 @@ def build_dataloader(
     return DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=functools.partial(collate_packed if packing else collate, pad_id=pad_id),
+        collate_fn=collate_function(pad_id, packing, fixed_shapes, sampler.micro_batch_size),
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
@@ -783,6 +797,15 @@ def build_dataloader(
         # uninterrupted run drew (the order of samples comes from the sampler, seeded by (seed, epoch)).
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def collate_function(pad_id: int, packing: bool, fixed_shapes: bool, micro_batch_size: int):
+    """The collate a loader uses: a ``functools.partial`` of a module-level function (it pickles into workers)."""
+    if packing and fixed_shapes:  # samples + the padding tail: micro_batch_size + 1 segments at most
+        return functools.partial(collate_packed, pad_id=pad_id, multiple=GRAPH_MULTIPLE, segments=micro_batch_size + 1)
+    if packing:
+        return functools.partial(collate_packed, pad_id=pad_id)
+    return functools.partial(collate, pad_id=pad_id, multiple=64 if fixed_shapes else 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

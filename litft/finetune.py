@@ -152,6 +152,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         raise ConfigError(f"model: {config.name} uses {', '.join(unsupported)}, which litft's training forward does"
                           " not implement; use a Llama-family model (TinyLlama, OpenLLaMA, Llama, ...)")
     compiled = recipe.train.compile == "always" or (recipe.train.compile == "auto" and fabric.device.type == "cuda")
+    graphed = use_cuda_graphs(recipe, fabric)
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
@@ -173,6 +174,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         if compiled:
             compile_blocks(gpt)
         say(f"speed: packing {'on' if recipe.data.packing else 'off'}, torch.compile {'on' if compiled else 'off'},"
+            f" CUDA graphs {'on' if graphed else 'off'},"
             f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
             f" {'on' if recipe.train.activation_checkpointing else 'off'}")
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length))
@@ -188,7 +190,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         )
         # The samplers already give each rank its share, so Fabric must not add a DistributedSampler.
         train_loader, val_loader = fabric.setup_dataloaders(
-            build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers, recipe.data.packing),
+            build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers, recipe.data.packing,
+                             fixed_shapes=graphed),
             build_dataloader(data.val, val_sampler, data.pad_id, recipe.data.num_workers, recipe.data.packing),
             use_distributed_sampler=False,
             move_to_device=False,  # the loop moves the two tensors itself; the counts stay plain ints
@@ -226,9 +229,11 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         sampler = metrics.GpuSampler(fabric.device, recipe.logging.gpu_sample_interval)
         try:
             with phases("train"):
+                micro_step = GraphedMicroSteps(fabric, model, progress.print) if graphed else PlainMicroStep(fabric, model)
                 fit(
                     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader,
                     total_steps, flop_model, throughput, clock, writer, progress, losses, state, phases, out_dir,
+                    micro_step,
                 )
         finally:
             gpu = sampler.stop()
@@ -270,9 +275,10 @@ def unwrap(model) -> torch.nn.Module:
 
 def fit(
     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader, total_steps, flop_model,
-    throughput, clock, writer, progress, losses, state, phases, out_dir,
+    throughput, clock, writer, progress, losses, state, phases, out_dir, micro_step,
 ) -> None:
-    """The loop: one iteration per optimizer step, `grad_accum` micro-batches each."""
+    """The loop: one iteration per optimizer step, `grad_accum` micro-batches each (`micro_step` runs one
+    micro-batch's forward and backward, plainly or as a CUDA graph)."""
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
@@ -295,11 +301,8 @@ def fit(
         loss_sum = torch.zeros((), device=fabric.device)
         for i, batch in enumerate(step_batches):
             with fabric.no_backward_sync(model, enabled=i < accum - 1):
-                with mark("forward"):
-                    micro_loss = model(**model_inputs(batch, fabric.device))
-                with mark("backward"):
-                    fabric.backward(micro_loss / denominator)
-            loss_sum += micro_loss.detach()
+                with mark("forward+backward"):
+                    loss_sum += micro_step(model_inputs(batch, fabric.device), denominator)
 
         grad_norm = None
         if recipe.train.max_grad_norm is not None:
@@ -322,7 +325,8 @@ def fit(
             )
         with mark("optimizer"):
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            # CUDA graphs add into the gradients' fixed addresses: zero them in place rather than free them
+            optimizer.zero_grad(set_to_none=not micro_step.keeps_gradients)
         scheduler.step()
         clock.stop(step)
         state["step"] = step
@@ -374,6 +378,87 @@ def fit(
             if writer is not None:
                 writer.write(row)
             progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
+
+
+def use_cuda_graphs(recipe: Recipe, fabric) -> bool:
+    """Whether micro-steps replay as CUDA graphs: 'auto' on one CUDA device (DDP's all-reduce hooks stay eager)."""
+    possible = fabric.device.type == "cuda" and fabric.world_size == 1
+    if recipe.train.cuda_graphs == "always" and not possible:
+        raise ConfigError("train.cuda_graphs: 'always' needs a single CUDA device (this run has"
+                          f" {fabric.world_size} x {fabric.device.type}); use 'auto' or 'never'")
+    return possible and recipe.train.cuda_graphs != "never"
+
+
+class PlainMicroStep:
+    """One micro-batch: forward, then backward of loss / denominator; returns the detached loss sum."""
+
+    keeps_gradients = False
+
+    def __init__(self, fabric, model) -> None:
+        self.fabric, self.model = fabric, model
+
+    def __call__(self, inputs: dict, denominator) -> torch.Tensor:
+        loss = self.model(**inputs)
+        self.fabric.backward(loss / denominator)
+        return loss.detach()
+
+
+class GraphedMicroSteps:
+    """One micro-batch's forward and backward, replayed as a CUDA graph: one per distinct batch shape.
+
+    Why: a TinyLlama LoRA micro-batch launches ~2,000 kernels; the host needs ~80 ms to launch them and the GPU
+    ~17 ms to run them (benchmarks/host_overhead.py), so the GPU idles four fifths of the time. A graph replays them
+    all with one launch.
+    How: the first micro-batch of each shape runs plainly (it warms up: compiles, allocates the gradients) and is
+    then captured; later ones of that shape copy their tensors into the graph's inputs and replay it. Backward adds
+    into the gradients in place, at the addresses captured, so the loop zeroes gradients in place
+    (keeps_gradients). The scale 1/denominator is a device tensor filled before each replay (a plain number would be
+    frozen into the graph). All graphs share one memory pool: they never run at the same time. If a capture fails
+    (an op that cannot be captured), the run says why once and continues plainly.
+    """
+
+    keeps_gradients = True
+
+    def __init__(self, fabric, model, say) -> None:
+        self.fabric, self.model, self.say = fabric, model, say
+        self.plain = PlainMicroStep(fabric, model)
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.scale = torch.ones((), device=fabric.device)
+        self.failed = False
+
+    def __call__(self, inputs: dict, denominator) -> torch.Tensor:
+        if self.failed:
+            return self.plain(inputs, denominator)
+        key = tuple((name, tuple(t.shape)) for name, t in inputs.items())
+        entry = self.graphs.get(key)
+        if entry is None:
+            loss = self.plain(inputs, denominator)  # this micro-batch's real contribution, and the warm-up
+            self._capture(key, inputs)
+            return loss
+        graph, static_inputs, static_loss = entry
+        for name, tensor in inputs.items():
+            static_inputs[name].copy_(tensor, non_blocking=True)
+        self.scale.fill_(1.0 / denominator)
+        graph.replay()
+        return static_loss.clone()  # the next replay of this graph overwrites static_loss
+
+    def _capture(self, key: tuple, inputs: dict) -> None:
+        static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's activations go back, the graph's pool takes their place
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                static_loss = self.model(**static_inputs)
+                self.fabric.backward(static_loss * self.scale)
+        except Exception as err:  # noqa: BLE001 - any capture failure: fall back, say why
+            self.failed = True
+            self.graphs.clear()
+            self.say(f"CUDA graphs off for the rest of the run: capturing a micro-step failed ({type(err).__name__}:"
+                     f" {str(err).splitlines()[0][:200]}); set train.cuda_graphs: never to skip the attempt")
+            return
+        self.graphs[key] = (graph, static_inputs, static_loss.detach())
 
 
 @contextmanager
@@ -573,6 +658,10 @@ def build_optimizer(recipe: Recipe, model) -> torch.optim.Optimizer:
     kwargs = dict(recipe.optimizer.init_args)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    fusable = cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+    if fusable and params and all(p.is_cuda for p in params) and not {"fused", "foreach"} & kwargs.keys():
+        # one fused kernel per chunk of parameters, instead of a chain of foreach kernels per update term
+        kwargs["fused"] = True
     return cls(params, **kwargs)
 
 

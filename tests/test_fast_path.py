@@ -61,6 +61,24 @@ def test_a_packed_row_gives_the_same_loss_and_gradients_as_padded_rows(tiny_reci
         torch.testing.assert_close(grads_packed[name], grads_padded[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_fixed_shape_rows_give_the_same_loss_and_gradients(tiny_recipe):
+    """The CUDA-graph layout (row padded to a multiple of 256, cu_seqlens of a fixed length with empty trailing
+    segments) is the same function of the samples as padding to the longest."""
+    gpt = _lora_gpt(tiny_recipe, ["q", "v", "mlp"])
+    use_fast_layers(gpt)
+    model = CausalLM(gpt, loss_chunk=0, max_seq_length=64)
+    three = _samples([37, 12, 50])  # a short last micro-batch of a micro_batch_size-4 run
+    fixed = collate_packed(three, pad_id=0, multiple=256, segments=5)
+    assert fixed["input_ids"].shape == (1, 256) and fixed["tokens_padded"] == 256 and fixed["tokens_real"] == 99
+    assert fixed["cu_seqlens"].tolist() == [0, 37, 49, 99, 256, 256]  # 3 samples, the padding tail, one empty
+    loss_fixed, grads_fixed = _loss_and_grads(model, fixed)
+    loss_padded, grads_padded = _loss_and_grads(model, collate(three, pad_id=0))
+    torch.testing.assert_close(loss_fixed, loss_padded, rtol=1e-5, atol=1e-5)
+    for name in grads_padded:
+        torch.testing.assert_close(grads_fixed[name], grads_padded[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert collate(three, pad_id=0, multiple=64)["input_ids"].shape == (3, 64)
+
+
 def test_packing_keeps_samples_apart():
     """Changing one sample must not change the loss terms of another (no attention across samples)."""
     samples = _samples([20, 30])
