@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
-#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py)
+#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
+#          vs:<run,run> (benchmarks/vs_litgpt.py --only)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
@@ -25,6 +26,9 @@ for step in "$@"; do
            tail -30 "$OUT/${step#set:}.log" ;;
     host:*) timeout "$left" python3 benchmarks/host_overhead.py --recipe "${step#host:}" --out "$OUT/host" \
               2>&1 | tee "$OUT/host-${step#host:}.log" | grep -v "^ " || status=1 ;;
+    vs:*) timeout "$left" python3 benchmarks/vs_litgpt.py --out "$OUT/vs-litgpt" --only "${step#vs:}" --timeout 400 \
+            > "$OUT/vs-${step#vs:}.log" 2>&1 || status=1
+          tail -40 "$OUT/vs-${step#vs:}.log" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
@@ -33,5 +37,5 @@ done
 # in each run's log.txt)
 tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' \
   --exclude='profile' . 2>/dev/null
-cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log > "$RESULTS/summary.md" 2>/dev/null
+cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/vs-litgpt/*.md > "$RESULTS/summary.md" 2>/dev/null
 exit $status

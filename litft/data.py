@@ -808,6 +808,23 @@ def collate_function(pad_id: int, packing: bool, fixed_shapes: bool, micro_batch
     return functools.partial(collate, pad_id=pad_id, multiple=64 if fixed_shapes else 1)
 
 
+def largest_batches(lengths: torch.Tensor, micro_batch_size: int, collate_fn, pad_id: int) -> list[dict[str, Any]]:
+    """Stand-in micro-batches, largest first: the shape of the data's ``micro_batch_size`` longest samples, and the
+    next smaller shape (the longest sample shortened by 256 positions), made by the run's own ``collate_fn``.
+
+    For CUDA graphs: warming up on both before training makes torch.compile settle its shape-generic kernels, and
+    capturing the largest shape first sizes the graphs' memory pool once; smaller shapes then fit in it. The tokens
+    are all ``pad_id`` (any valid id: the numbers do not matter, only the shapes)."""
+    longest = torch.sort(lengths, descending=True).values[: min(micro_batch_size, len(lengths))].tolist()
+    shorter = [max(1, longest[0] - 256)] + longest[1:]
+    batches = []
+    for sizes in (longest, shorter):
+        samples = [{"input_ids": torch.full((n,), pad_id, dtype=torch.int64),
+                    "labels": torch.full((n,), pad_id, dtype=torch.int64)} for n in sizes]
+        batches.append(collate_fn(samples))
+    return batches
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # All of it, from the recipe
 # ----------------------------------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class Phases:
 def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     from litgpt.tokenizer import Tokenizer
 
-    from litft.data import EpochBatchSampler, build_dataloader, prepare_data
+    from litft.data import EpochBatchSampler, build_dataloader, collate_function, largest_batches, prepare_data
 
     phases = Phases()
     out_dir = resolve_path(recipe.out_dir)
@@ -151,8 +151,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     if unsupported:  # litft's training forward repeats only what Llama-family models need from GPT.forward
         raise ConfigError(f"model: {config.name} uses {', '.join(unsupported)}, which litft's training forward does"
                           " not implement; use a Llama-family model (TinyLlama, OpenLLaMA, Llama, ...)")
-    compiled = recipe.train.compile == "always" or (recipe.train.compile == "auto" and fabric.device.type == "cuda")
     graphed = use_cuda_graphs(recipe, fabric)
+    compiled, compile_why = use_compile(recipe, fabric, config, data.train.stats, graphed)
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
@@ -173,7 +173,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             apply_activation_checkpointing(gpt)
         if compiled:
             compile_blocks(gpt)
-        say(f"speed: packing {'on' if recipe.data.packing else 'off'}, torch.compile {'on' if compiled else 'off'},"
+        say(f"speed: packing {'on' if recipe.data.packing else 'off'},"
+            f" torch.compile {'on' if compiled else 'off'}{f' ({compile_why})' if compile_why else ''},"
             f" CUDA graphs {'on' if graphed else 'off'},"
             f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
             f" {'on' if recipe.train.activation_checkpointing else 'off'}")
@@ -217,6 +218,13 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     losses: dict[str, float | None] = {"train_first": None, "train_last": None, "val_initial": None, "val_final": None}
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0, "max_micro_tokens": 0}
     clock = metrics.StepClock(fabric.device)
+    if graphed:
+        micro_step = GraphedMicroSteps(fabric, model, progress.print)
+        train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.train.micro_batch_size)
+        micro_step.prepare(largest_batches(data.train.lengths, recipe.train.micro_batch_size, train_collate,
+                                           data.pad_id))
+    else:
+        micro_step = PlainMicroStep(fabric, model)
     if checkpoint is not None:
         restore(checkpoint, fabric, model, optimizer, scheduler, train_sampler, state, losses, recipe)
         progress.print(f"resumed from {checkpoint['path']} at step {state['step']} (epoch {state['epoch']},"
@@ -229,7 +237,6 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         sampler = metrics.GpuSampler(fabric.device, recipe.logging.gpu_sample_interval)
         try:
             with phases("train"):
-                micro_step = GraphedMicroSteps(fabric, model, progress.print) if graphed else PlainMicroStep(fabric, model)
                 fit(
                     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader,
                     total_steps, flop_model, throughput, clock, writer, progress, losses, state, phases, out_dir,
@@ -260,6 +267,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             recipe, fabric, status, config, counts, data, state, losses, throughput.summary(clock.durations), phases,
             out_dir, len(train_sampler), seen or predicted, gpu, worst_case=predicted,
         )
+        result["cuda_graphs"] = micro_step.stats()
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
@@ -380,6 +388,49 @@ def fit(
             progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
 
 
+COMPILE_PAYS_OFF_S = 60.0
+"""Seconds of work at the GPU's peak FLOP/s above which 'auto' compiles a run that replays CUDA graphs (see
+use_compile)."""
+
+
+def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[bool, str]:
+    """Whether to torch.compile the blocks, and why when 'auto' decided (for the run's speed line).
+
+    'auto': never on the CPU (inductor's C++ compile costs minutes for little gain); always on CUDA without CUDA
+    graphs (compiling then also cuts the host's launch overhead). With CUDA graphs the host overhead is gone, and
+    compiling only makes the kernels faster: it saves ~35% of a micro-batch's GPU time (TinyLlama LoRA, 1,024
+    tokens: 17.0 vs 26.3 ms, benchmarks/host_overhead.py) and costs ~40-90 s of compiling (benchmarks/README.md).
+    Eager kernels run at roughly 35% of peak, so the saving is 0.35 x work / (0.35 x peak) = work / peak seconds:
+    compile when the planned work at the peak FLOP/s exceeds COMPILE_PAYS_OFF_S. Work = planned tokens x FLOPs per
+    token (6 per trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out)."""
+    mode = recipe.train.compile
+    if mode != "auto":
+        return mode == "always", ""
+    if fabric.device.type != "cuda":
+        return False, ""
+    if not graphed:
+        return True, ""
+    peak = metrics.peak_flops(torch.cuda.get_device_name(fabric.device), metrics.compute_dtype(recipe.precision))
+    if peak is None:
+        return True, "no peak FLOP/s known for this GPU"
+    n = estimated_parameters(config)
+    per_token = 6 * n if recipe.method == "full" else 4 * n
+    batches_per_epoch = stats.samples // fabric.world_size // recipe.train.micro_batch_size
+    tokens = planned_steps(recipe, batches_per_epoch) * recipe.train.global_batch_size * stats.mean_length
+    seconds = tokens * per_token / peak
+    verdict = "pays off" if seconds > COMPILE_PAYS_OFF_S else "would not pay off"
+    return seconds > COMPILE_PAYS_OFF_S, (f"auto: {seconds:,.0f} s of work at peak FLOP/s, compiling {verdict} above"
+                                          f" {COMPILE_PAYS_OFF_S:.0f} s")
+
+
+def estimated_parameters(config) -> int:
+    """Weights a token passes through in a Llama-style model: attention, MLP (3 matrices) and the output head."""
+    attention = config.n_embd * (config.n_head + 2 * config.n_query_groups) * config.head_size
+    attention += config.n_head * config.head_size * config.n_embd
+    mlp = 3 * config.n_embd * config.intermediate_size
+    return config.n_layer * (attention + mlp) + config.padded_vocab_size * config.n_embd
+
+
 def use_cuda_graphs(recipe: Recipe, fabric) -> bool:
     """Whether micro-steps replay as CUDA graphs: 'auto' on one CUDA device (DDP's all-reduce hooks stay eager)."""
     possible = fabric.device.type == "cuda" and fabric.world_size == 1
@@ -402,6 +453,9 @@ class PlainMicroStep:
         self.fabric.backward(loss / denominator)
         return loss.detach()
 
+    def stats(self) -> dict:
+        return {"on": False}
+
 
 class GraphedMicroSteps:
     """One micro-batch's forward and backward, replayed as a CUDA graph: one per distinct batch shape.
@@ -409,56 +463,121 @@ class GraphedMicroSteps:
     Why: a TinyLlama LoRA micro-batch launches ~2,000 kernels; the host needs ~80 ms to launch them and the GPU
     ~17 ms to run them (benchmarks/host_overhead.py), so the GPU idles four fifths of the time. A graph replays them
     all with one launch.
-    How: the first micro-batch of each shape runs plainly (it warms up: compiles, allocates the gradients) and is
-    then captured; later ones of that shape copy their tensors into the graph's inputs and replay it. Backward adds
-    into the gradients in place, at the addresses captured, so the loop zeroes gradients in place
-    (keeps_gradients). The scale 1/denominator is a device tensor filled before each replay (a plain number would be
-    frozen into the graph). All graphs share one memory pool: they never run at the same time. If a capture fails
-    (an op that cannot be captured), the run says why once and continues plainly.
+    How: before training (prepare), stand-in batches of the largest shape and the next smaller one run plainly
+    WARMUP times each (torch.compile builds its kernels, the gradients are allocated, a layer settles what it sets
+    on its first call: nothing recompiles during a capture), and the largest shape is captured. A new shape met in
+    training is captured straight away, with no plain warm-up: a plain run would need a second set of activations
+    beside the graphs' pool; if that capture fails (a recompile for the new shape, say), the shape warms up plainly
+    and is captured again. Micro-batches of a captured shape copy their tensors into the
+    graph's inputs and replay it. Backward adds into the gradients in place, at the addresses captured, so the loop
+    zeroes gradients in place (keeps_gradients). The scale 1/denominator is a device tensor filled before each
+    replay (a plain number would be frozen into the graph). All graphs share one memory pool: they never run at the
+    same time, and each one's output is copied out before the next replay. If a capture after warm-up fails (an op
+    that cannot be captured), the run says why once and continues plainly.
     """
 
     keeps_gradients = True
+    WARMUP = 2  # plain micro-batches before a capture (torch's CUDA graph docs warm up a few, too)
 
     def __init__(self, fabric, model, say) -> None:
         self.fabric, self.model, self.say = fabric, model, say
         self.plain = PlainMicroStep(fabric, model)
         self.graphs: dict[tuple, tuple] = {}
+        self.warming: dict[tuple, int] = {}  # shapes that run plainly before their capture: plain runs so far
+        self.replays = 0
+        self.retries = 0  # new shapes whose direct capture failed and that were captured after a warm-up
+        self.failure: str | None = None
         self.pool = torch.cuda.graph_pool_handle()
         self.scale = torch.ones((), device=fabric.device)
         self.failed = False
 
+    def prepare(self, batches: list[dict]) -> None:
+        """Before training: warm up plainly on stand-in batches (largest first; data.largest_batches), give back
+        their gradients, and capture the largest shape, so the graphs' pool is sized once by the largest micro-batch.
+        The warm-up's dropout draws come from a forked random state: the run's own random numbers (and a resumed
+        run's) are those it would draw without it."""
+        device = self.fabric.device
+        with torch.random.fork_rng(devices=[device]):
+            inputs = [model_inputs(batch, device) for batch in batches]
+            for batch_inputs in inputs:
+                for _ in range(self.WARMUP):
+                    self.plain(batch_inputs, 1.0)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+            self._capture(self.key(inputs[0]), inputs[0], last_try=True)
+
+    @staticmethod
+    def key(inputs: dict) -> tuple:
+        return tuple((name, tuple(t.shape)) for name, t in inputs.items())
+
     def __call__(self, inputs: dict, denominator) -> torch.Tensor:
         if self.failed:
             return self.plain(inputs, denominator)
-        key = tuple((name, tuple(t.shape)) for name, t in inputs.items())
-        entry = self.graphs.get(key)
-        if entry is None:
-            loss = self.plain(inputs, denominator)  # this micro-batch's real contribution, and the warm-up
-            self._capture(key, inputs)
-            return loss
-        graph, static_inputs, static_loss = entry
+        key = self.key(inputs)
+        if key not in self.graphs:
+            if not self.graphs or key in self.warming:
+                loss = self.plain(inputs, denominator)  # this micro-batch's real contribution, and a warm-up
+                self.warming[key] = self.warming.get(key, 0) + 1
+                if self.warming[key] >= self.WARMUP:
+                    self._capture(key, inputs, last_try=True)
+                return loss
+            if not self._capture(key, inputs, last_try=False):
+                self.retries += 1
+                self.warming[key] = 0
+                return self(inputs, denominator)
+        graph, static_inputs, static_loss = self.graphs[key]
         for name, tensor in inputs.items():
             static_inputs[name].copy_(tensor, non_blocking=True)
         self.scale.fill_(1.0 / denominator)
         graph.replay()
-        return static_loss.clone()  # the next replay of this graph overwrites static_loss
+        self.replays += 1
+        return static_loss.clone()  # the next replay of any graph may overwrite static_loss (one shared pool)
 
-    def _capture(self, key: tuple, inputs: dict) -> None:
+    def _capture(self, key: tuple, inputs: dict, last_try: bool) -> bool:
         static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the warm-up's activations go back, the graph's pool takes their place
+        torch.cuda.empty_cache()  # plain runs' activations go back; the graphs' pool holds theirs
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the DataLoader's pin-memory thread keeps calling CUDA during the capture (it touches
+            # no captured stream); the default mode ("global") makes those calls fail the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 static_loss = self.model(**static_inputs)
                 self.fabric.backward(static_loss * self.scale)
-        except Exception as err:  # noqa: BLE001 - any capture failure: fall back, say why
+        except Exception as err:  # noqa: BLE001 - any capture failure: retry after a warm-up, or fall back
+            reset_capture_state()
+            if not last_try:
+                return False
             self.failed = True
             self.graphs.clear()
-            self.say(f"CUDA graphs off for the rest of the run: capturing a micro-step failed ({type(err).__name__}:"
-                     f" {str(err).splitlines()[0][:200]}); set train.cuda_graphs: never to skip the attempt")
-            return
+            self.failure = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            self.say(f"CUDA graphs off for the rest of the run: capturing a micro-step failed ({self.failure});"
+                     " set train.cuda_graphs: never to skip the attempt")
+            return False
         self.graphs[key] = (graph, static_inputs, static_loss.detach())
+        return True
+
+    def stats(self) -> dict:
+        """For result.json: shapes captured, replays, plain warm-up micro-batches, retried captures, a failure."""
+        return {"on": not self.failed, "shapes_captured": len(self.graphs), "replays": self.replays,
+                "plain_micro_batches": sum(self.warming.values()), "retried_captures": self.retries,
+                "failure": self.failure}
+
+
+def reset_capture_state() -> None:
+    """After a capture that raised, let random ops (dropout) run plainly again.
+
+    A capture marks the CUDA random generator as capturing and unmarks it when the capture ends; a capture that
+    raised never unmarks it, and the next plain dropout then fails ("Offset increment outside graph capture").
+    Capturing an empty graph marks and unmarks it again."""
+    try:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    except Exception:  # noqa: BLE001 - the plain path will raise its own, clearer error if the device is unusable
+        pass
 
 
 @contextmanager

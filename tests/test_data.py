@@ -574,3 +574,18 @@ def test_prepare_data_errors_name_their_file(tmp_path, tokenizer):
         prepare_data(DataConfig(path=str(train), val_path=str(train), max_seq_length=5), tokenizer, seed=0)
     with pytest.raises(ConfigError, match="prompt_style"):
         prepare_data(DataConfig(path=str(tmp_path / "absent.jsonl"), prompt_style="nope"), tokenizer, seed=0)
+
+
+def test_largest_batches_have_the_largest_shape_the_data_can_form_and_the_next_smaller():
+    from litft.data import GRAPH_MULTIPLE, collate_function, largest_batches
+
+    lengths = torch.tensor([40, 700, 300, 512, 90])
+    packed = collate_function(pad_id=0, packing=True, fixed_shapes=True, micro_batch_size=3)
+    largest, smaller = largest_batches(lengths, 3, packed, pad_id=0)
+    assert largest["input_ids"].shape == (1, 1536)  # 700 + 512 + 300 = 1,512 -> next multiple of 256
+    assert smaller["input_ids"].shape == (1, 1536 - GRAPH_MULTIPLE)  # the longest 256 shorter: 1,256 -> 1,280
+    assert largest["cu_seqlens"].shape == smaller["cu_seqlens"].shape == (3 + 2,)  # one length for every batch
+    assert set(largest) >= {"input_ids", "labels", "positions", "cu_seqlens"}
+    padded = collate_function(pad_id=0, packing=False, fixed_shapes=True, micro_batch_size=3)
+    largest, smaller = largest_batches(lengths, 3, padded, pad_id=0)
+    assert largest["input_ids"].shape == (3, 704) and smaller["input_ids"].shape == (3, 512)  # rows of 64

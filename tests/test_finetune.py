@@ -153,3 +153,30 @@ def test_activation_checkpointing_changes_memory_not_the_result(tiny_recipe, tmp
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     assert all(isinstance(block, CheckpointWrapper) for block in checkpointed.model.transformer.h)
+
+
+def test_compile_auto_compiles_only_runs_long_enough_to_win_back_the_compile_time(tiny_recipe, monkeypatch):
+    from types import SimpleNamespace
+
+    from litgpt.config import Config
+
+    from litft.finetune import COMPILE_PAYS_OFF_S, estimated_parameters, use_compile
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), world_size=1)
+    config = Config.from_name("tiny-llama-1.1b")
+    stats = SimpleNamespace(samples=1000, mean_length=250.0)
+
+    def decide(fabric=gpu, graphed=True, **train):
+        recipe = tiny_recipe(method="lora", precision="bf16-true", train={"max_steps": None, **train})
+        return use_compile(recipe, fabric, config, stats, graphed)
+
+    # one epoch of 1,000 samples, global batch 8: 125 steps x 8 x 250 tokens x 4 x 1.03e9 FLOPs / 989e12 ~ 1 s
+    compiled, why = decide(epochs=1)
+    assert not compiled and "1 s of work" in why
+    n = estimated_parameters(config)
+    epochs_needed = int(COMPILE_PAYS_OFF_S * 989e12 / (125 * 8 * 250 * 4 * n)) + 1
+    assert decide(epochs=epochs_needed)[0] and not decide(epochs=epochs_needed - 2)[0]
+    assert decide(graphed=False) == (True, "")  # without graphs compiling also cuts the host's launch overhead
+    assert decide(compile="always") == (True, "") and decide(compile="never", graphed=False) == (False, "")
+    assert decide(fabric=SimpleNamespace(device=torch.device("cpu"), world_size=1), graphed=False) == (False, "")
