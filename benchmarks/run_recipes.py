@@ -78,6 +78,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full", "tiny-llama-full", GPU + steps(25)),
         ("qlora", "tiny-llama-qlora", GPU + steps(25)),
     ],
+    # Issue 5: each speed choice of the defaults switched off alone (40 steps; the first 5 are left out of tok/s).
+    "ablation-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(40)),
+        ("lora-no-graphs", "tiny-llama-lora", GPU + steps(40) + ["--train.cuda_graphs", "never"]),
+        ("lora-no-packing", "tiny-llama-lora", GPU + steps(40) + ["--data.packing", "false"]),
+        ("lora-loss-unchunked", "tiny-llama-lora", GPU + steps(40) + ["--train.loss_chunk", "0"]),
+        ("lora-compiled", "tiny-llama-lora", GPU + steps(40) + ["--train.compile", "always"]),
+        ("full", "tiny-llama-full", GPU + steps(40)),
+        ("full-unfused-adamw", "tiny-llama-full", GPU + steps(40) + [
+            "--optimizer.init_args", '{"lr": 5e-5, "weight_decay": 0.0, "betas": [0.9, 0.95], "foreach": true}']),
+        ("full-no-graphs", "tiny-llama-full", GPU + steps(40) + ["--train.cuda_graphs", "never"]),
+    ],
     # Issue 5: after the capture fixes (new shapes captured without a plain warm-up; 4-bit layers' compute dtype
     # settled before compiling; the RNG reset after a failed capture).
     "graphs-tiny2": [

@@ -413,7 +413,9 @@ def chunked_lm_loss(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.T
 
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(hidden.split(chunk), labels.split(chunk)):
-        total = total + checkpoint(_chunk_loss, head, h, y, use_reentrant=False)
+        # preserve_rng_state off: the head has no random ops, and reading the CUDA RNG state is not allowed while a
+        # CUDA graph is being captured
+        total = total + checkpoint(_chunk_loss, head, h, y, use_reentrant=False, preserve_rng_state=False)
     return total
 
 
