@@ -2,7 +2,7 @@
 # One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
 #   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
-#          vs:<run,run> (benchmarks/vs_litgpt.py --only)
+#          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
@@ -29,6 +29,9 @@ for step in "$@"; do
     vs:*) timeout "$left" python3 benchmarks/vs_litgpt.py --out "$OUT/vs-litgpt" --only "${step#vs:}" --timeout 400 \
             > "$OUT/vs-${step#vs:}.log" 2>&1 || status=1
           tail -40 "$OUT/vs-${step#vs:}.log" ;;
+    vs7b:*) timeout "$left" python3 benchmarks/vs_litgpt.py --out "$OUT/vs-litgpt-7b" --model open_llama_7b \
+              --max-steps "${STEPS_7B:-20}" --only "${step#vs7b:}" --timeout 300 > "$OUT/vs7b-${step#vs7b:}.log" 2>&1 || status=1
+            tail -40 "$OUT/vs7b-${step#vs7b:}.log" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
@@ -37,5 +40,5 @@ done
 # in each run's log.txt)
 tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' \
   --exclude='profile' . 2>/dev/null
-cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/vs-litgpt/*.md > "$RESULTS/summary.md" 2>/dev/null
+cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/vs-litgpt/*.md "$OUT"/vs-litgpt-7b/*.md > "$RESULTS/summary.md" 2>/dev/null
 exit $status
