@@ -49,6 +49,9 @@ def test_run_end_to_end_writes_every_output(tiny_recipe, method, optimizer):
     assert t["tokens_per_sec"] > 0 and t["mfu"] is None  # no MFU on the CPU (no peak in the table)
     assert r["losses"]["val_initial"] is not None and r["losses"]["val_final"] is not None
     assert set(r["definitions"]) >= {"tokens_real", "tokens_per_sec", "mfu", "memory"}
+    # the ledger is held against the largest micro-batch the run formed (no CUDA graphs on the CPU)
+    assert r["cuda_graphs"] == {"on": False}
+    assert r["memory"]["predicted_for_tokens"] == r["memory"]["max_micro_batch_tokens"] > 0
 
     weights = torch.load(out / r["files"]["weights"], weights_only=True)
     if method == "lora":

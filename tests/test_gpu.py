@@ -153,6 +153,11 @@ def test_cuda_graph_replays_give_the_losses_of_plain_steps(tiny_recipe, tmp_path
     micro_batches = runs["always"].result["steps"] * 2  # global 8 = micro 4 x 2
     assert graphs["replays"] + graphs["plain_micro_batches"] == micro_batches and graphs["replays"] >= micro_batches / 2
     assert runs["never"].result["cuda_graphs"] == {"on": False}
+    # the ledger is held against the memory the run held: with graphs, the pool sized by the largest captured shape
+    memory = runs["always"].result["memory"]
+    assert graphs["pool_tokens"] > 0
+    assert memory["predicted_for_tokens"] == max(memory["max_micro_batch_tokens"], graphs["pool_tokens"])
+    assert runs["never"].result["memory"]["predicted_for_tokens"] == runs["never"].result["memory"]["max_micro_batch_tokens"]
     rows = [[json.loads(line)["loss"] for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
             for r in runs.values()]
     assert len(rows[0]) == len(rows[1]) == runs["never"].result["steps"] >= 4
