@@ -513,6 +513,13 @@ def _check_keys(yaml_values: dict, overrides: list[tuple[str, str | None]]) -> N
         if key == "optimizer" or key == "optimizer.class_path":
             cli_class = raw
             continue
+        if key == "optimizer.init_args":  # a whole mapping: --optimizer.init_args '{"lr": 1e-4, "foreach": true}'
+            mapping = yaml.safe_load(raw) if raw else None
+            if not isinstance(mapping, dict):
+                problems.append(f"optimizer.init_args: expected a mapping such as '{{\"lr\": 1e-4}}', got {raw!r}")
+                continue
+            cli_args.extend(str(name) for name in mapping)
+            continue
         if key.startswith("optimizer."):
             cli_args.append(key.removeprefix("optimizer.").removeprefix("init_args."))
             continue
@@ -663,6 +670,8 @@ def load_recipe(
         yaml_values = loaded or {}
         argv += ["--config", str(path)]
     extra = list(args or []) + _flatten_overrides(overrides)
+    if extra:  # a problem may be in the file or in an override: name both places to look
+        source = f"{source} with overrides" if source else "overrides"
     pairs = _parse_cli_overrides(extra)
     try:
         _check_keys(yaml_values, pairs)

@@ -72,6 +72,13 @@ def test_optimizer_class_and_arguments_from_yaml_and_cli():
     assert r.optimizer.class_path == "torch.optim.SGD" and r.optimizer.init_args["momentum"] == 0.9
     r = load_recipe("tiny-llama-lora", optimizer={"class_path": "bitsandbytes.optim.PagedAdamW8bit"}, validate_paths=False)
     assert r.optimizer.class_path == "bitsandbytes.optim.PagedAdamW8bit"
+    # a whole mapping of arguments merges into the recipe's (the recipe's lr stays)
+    r = load_recipe("tiny-llama-full", args=["--optimizer.init_args", '{"foreach": true}'], validate_paths=False)
+    assert r.optimizer.init_args["foreach"] is True and r.optimizer.init_args["lr"] == 5e-5
+    with pytest.raises(ConfigError, match="AdamW has no argument 'fourch'; did you mean 'foreach'"):
+        load_recipe("tiny-llama-full", args=["--optimizer.init_args", '{"fourch": true}'], validate_paths=False)
+    with pytest.raises(ConfigError, match="tiny-llama-full.yaml with overrides: optimizer.init_args: expected a mapping"):
+        load_recipe("tiny-llama-full", args=["--optimizer.init_args", "oops"], validate_paths=False)
 
 
 def _problems(tmp_path, text, *args):
