@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,7 +76,10 @@ def finetune(recipe: Recipe, overwrite: bool = False, resume: str | None = None)
     if resume is None:
         check_out_dir(out_dir, overwrite)
     fabric = build_fabric(recipe)
-    return fabric.launch(main, recipe, resume)
+    try:
+        return fabric.launch(main, recipe, resume)
+    except torch.OutOfMemoryError as err:  # before the loop's own handler: loading or sharding the model
+        raise out_of_memory(recipe, fabric, err) from None
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -218,18 +222,19 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     losses: dict[str, float | None] = {"train_first": None, "train_last": None, "val_initial": None, "val_final": None}
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0, "max_micro_tokens": 0}
     clock = metrics.StepClock(fabric.device)
-    if graphed:
-        micro_step = GraphedMicroSteps(fabric, model, progress.print)
-        train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.train.micro_batch_size)
-        micro_step.prepare(largest_batches(data.train.lengths, recipe.train.micro_batch_size, train_collate,
-                                           data.pad_id))
-    else:
-        micro_step = PlainMicroStep(fabric, model)
+    micro_step = GraphedMicroSteps(fabric, model, progress.print) if graphed else PlainMicroStep(fabric, model)
     if checkpoint is not None:
         restore(checkpoint, fabric, model, optimizer, scheduler, train_sampler, state, losses, recipe)
         progress.print(f"resumed from {checkpoint['path']} at step {state['step']} (epoch {state['epoch']},"
                        f" micro-batch {state['batch_in_epoch']} of {len(train_sampler)})")
+    profiler = StepProfiler(recipe.logging.profile, out_dir / "profile", progress.print,
+                            recipe.logging.memory_snapshot, out_dir / "memory_snapshot.pickle")
+    profiler.start_snapshot()
     try:
+        if graphed:  # warm-up and capture run the largest micro-batch: inside the try, so running out of memory is exit 4
+            train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.train.micro_batch_size)
+            micro_step.prepare(largest_batches(data.train.lengths, recipe.train.micro_batch_size, train_collate,
+                                               data.pad_id))
         if recipe.eval.initial:
             with phases("eval"):
                 losses["val_initial"] = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
@@ -240,7 +245,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
                 fit(
                     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader,
                     total_steps, flop_model, throughput, clock, writer, progress, losses, state, phases, out_dir,
-                    micro_step,
+                    micro_step, profiler,
                 )
         finally:
             gpu = sampler.stop()
@@ -252,8 +257,10 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             save_final(fabric, recipe, config, model, out_dir)
         status = "ok"
     except torch.OutOfMemoryError as err:
+        profiler.dump_snapshot("out of memory")
         raise out_of_memory(recipe, fabric, err) from None
     finally:
+        profiler.dump_snapshot("the run ended before the snapshot's last step")  # nothing if written or off
         progress.close()
         if writer is not None:
             writer.close()
@@ -288,14 +295,13 @@ def unwrap(model) -> torch.nn.Module:
 
 def fit(
     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader, total_steps, flop_model,
-    throughput, clock, writer, progress, losses, state, phases, out_dir, micro_step,
+    throughput, clock, writer, progress, losses, state, phases, out_dir, micro_step, profiler,
 ) -> None:
     """The loop: one iteration per optimizer step, `grad_accum` micro-batches each (`micro_step` runs one
     micro-batch's forward and backward, plainly or as a CUDA graph)."""
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
-    profiler = StepProfiler(recipe.logging.profile, out_dir / "profile", progress.print)
     while state["step"] < total_steps:
         step = state["step"] + 1
         profiler.before(step)
@@ -606,11 +612,41 @@ class StepProfiler:
 
     Also prints the top ops and how busy the device was: kernel time over wall time of the window. A busy fraction
     well below 100% means the GPU waits for the host (Python, launches, syncs): bigger micro-batches, fewer
-    kernels (torch.compile) or CUDA graphs help; near 100% means the kernels themselves are the cost."""
+    kernels (torch.compile) or CUDA graphs help; near 100% means the kernels themselves are the cost.
 
-    def __init__(self, window: str | None, directory: Path, say) -> None:
+    It also keeps the allocator's memory snapshot (logging.memory_snapshot): from start_snapshot() through step N,
+    or until the run runs out of memory, written as a pickle for pytorch.org/memory_viz."""
+
+    SNAPSHOT_ENTRIES = 200_000  # allocation events kept (a ring buffer): a TinyLlama step makes a few thousand
+
+    def __init__(self, window: str | None, directory: Path, say, snapshot_steps: int = 0,
+                 snapshot_path: Path | None = None) -> None:
         self.start, self.end = (int(x) for x in window.split("-")) if window else (0, -1)
         self.directory, self.say, self._prof, self._t0 = directory, say, None, 0.0
+        self.snapshot_steps, self.snapshot_path, self._recording = snapshot_steps, snapshot_path, False
+
+    def start_snapshot(self) -> None:
+        if not self.snapshot_steps:
+            return
+        if not torch.cuda.is_available():
+            self.say("memory snapshot: CUDA only (the allocator history is the CUDA caching allocator's); skipped")
+            return
+        torch.cuda.memory._record_memory_history(max_entries=self.SNAPSHOT_ENTRIES)
+        self._recording = True
+
+    def dump_snapshot(self, why: str) -> None:
+        if not self._recording:
+            return
+        self._recording = False
+        try:
+            snapshot = torch.cuda.memory._snapshot()  # what torch.cuda.memory._dump_snapshot pickles
+            with open(self.snapshot_path, "wb") as f:
+                pickle.dump(snapshot, f)
+            self.say(f"memory snapshot ({why}) written to {self.snapshot_path}: open it in pytorch.org/memory_viz")
+            for line in metrics.snapshot_pools(snapshot):
+                self.say(f"  {line}")
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def before(self, step: int) -> None:
         if step == self.start:
@@ -646,6 +682,8 @@ class StepProfiler:
             self._prof = None
             self.say(f"profiler: steps {self.start}-{self.end} written to {self.directory} (tensorboard --logdir"
                      f" {self.directory}, or open the .pt.trace.json in ui.perfetto.dev)")
+        if step == self.snapshot_steps:
+            self.dump_snapshot(f"steps 1-{step}")
 
 
 def worst_case_tokens(recipe: Recipe, lengths: torch.Tensor) -> int:

@@ -210,6 +210,26 @@ def memory_stats(device: torch.device) -> dict[str, float | None]:
     }
 
 
+def snapshot_pools(snapshot: dict) -> list[str]:
+    """Where reserved memory sits at the moment of an allocator snapshot (torch.cuda.memory._snapshot()), one line per
+    memory pool: reserved (the pool's segments), allocated (live blocks) and free (reserved, not allocated: held for
+    reuse by that pool only). Pool (0, 0) is the default pool; any other is a CUDA graph's private pool, whose free
+    blocks the default pool cannot use: the gap between peak allocated and peak reserved that graphs add."""
+    pools: dict[tuple, list[int]] = {}
+    for segment in snapshot.get("segments", []):
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        totals = pools.setdefault(pool, [0, 0, 0])
+        totals[0] += segment.get("total_size", 0)
+        totals[1] += segment.get("allocated_size", 0)
+        totals[2] += 1
+    lines = []
+    for pool, (reserved, allocated, segments) in sorted(pools.items()):
+        name = "default pool" if pool == (0, 0) else f"graph pool {pool}"
+        lines.append(f"{name}: {reserved / GIB:.2f} GiB reserved in {segments} segments, {allocated / GIB:.2f} GiB"
+                     f" allocated, {(reserved - allocated) / GIB:.2f} GiB free")
+    return lines
+
+
 class GpuSampler:
     """Samples device memory used (all processes) and GPU utilisation through NVML on a background thread, so the
     training loop pays nothing for it. No-op without a GPU or without nvidia-ml-py."""

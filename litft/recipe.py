@@ -215,6 +215,12 @@ class LoggingConfig:
     """Record a torch profiler trace of optimizer steps START-END (e.g. '5-7') to out_dir/profile, viewable in
     TensorBoard or Perfetto (ui.perfetto.dev)."""
 
+    memory_snapshot: int = 0
+    """Record the CUDA allocator's history from just before the first micro-step (and any CUDA graph capture)
+    through optimizer step N, and write out_dir/memory_snapshot.pickle: every allocation with its Python stack, by
+    pool, to open in pytorch.org/memory_viz. A run that runs out of memory first writes it at that point. 0: off.
+    CUDA only."""
+
     nvtx: bool = False
     """Mark forward, backward and optimizer phases with NVTX ranges, so an Nsight Systems capture
     (nsys profile -t cuda,nvtx litft finetune ...) shows them by name."""

@@ -183,3 +183,10 @@ def test_compile_auto_compiles_only_runs_long_enough_to_win_back_the_compile_tim
     assert decide(graphed=False) == (True, "")  # without graphs compiling also cuts the host's launch overhead
     assert decide(compile="always") == (True, "") and decide(compile="never", graphed=False) == (False, "")
     assert decide(fabric=SimpleNamespace(device=torch.device("cpu"), world_size=1), graphed=False) == (False, "")
+
+
+def test_memory_snapshot_is_cuda_only_and_the_cpu_run_says_so(tiny_recipe, capsys):
+    result = litft.finetune(tiny_recipe(logging={"memory_snapshot": 2, "progress": "plain"}))
+    assert result.result["status"] == "ok"
+    assert "memory snapshot: CUDA only" in capsys.readouterr().out
+    assert not (result.out_dir / "memory_snapshot.pickle").exists()

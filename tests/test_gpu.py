@@ -187,3 +187,34 @@ def test_a_failed_capture_leaves_random_ops_usable():
     reset_capture_state()
     kept = torch.nn.functional.dropout(x, 0.5)  # raised "Offset increment outside graph capture" before the reset
     assert 0 < int((kept != 0).sum()) < 64
+
+
+def test_memory_snapshot_holds_the_allocator_history_to_the_step(tiny_recipe, tmp_path):
+    """Issue 3: logging.memory_snapshot writes the allocator's history (graph pool included) for pytorch.org/memory_viz."""
+    import pickle
+
+    run = litft.finetune(_gpu_recipe(tiny_recipe, out_dir=str(tmp_path / "run"), logging={"memory_snapshot": 2},
+                                     train={"compile": "never", "cuda_graphs": "always", "max_steps": 4}))
+    snapshot = pickle.loads((run.out_dir / "memory_snapshot.pickle").read_bytes())
+    assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])
+    # recording stopped at step 2: a later snapshot of this process has no history
+    assert not any(torch.cuda.memory._snapshot()["device_traces"])
+
+
+def test_running_out_of_memory_while_capturing_graphs_exits_4_with_a_snapshot(tiny_recipe, tmp_path, monkeypatch):
+    """The CUDA graph warm-up runs the largest micro-batch before the loop: running out there is exit 4, too, and
+    the memory snapshot is written at that point."""
+    from litft.errors import OutOfMemoryError
+    from litft.finetune import GraphedMicroSteps
+
+    def exhausted(self, batches):
+        torch.empty(1 << 20, device="cuda")  # something in the allocator's history
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(GraphedMicroSteps, "prepare", exhausted)
+    out_dir = tmp_path / "run"
+    with pytest.raises(OutOfMemoryError) as info:
+        litft.finetune(_gpu_recipe(tiny_recipe, out_dir=str(out_dir), logging={"memory_snapshot": 2},
+                                   train={"compile": "never", "cuda_graphs": "always", "max_steps": 2}))
+    assert info.value.exit_code == 4 and "micro_batch_size" in str(info.value)
+    assert (out_dir / "memory_snapshot.pickle").is_file()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from litft.memory import GIB, _quantized_bytes_per_param, estimate_memory
-from litft.metrics import FlopModel, StepRecord, Throughput, peak_flops
+from litft.metrics import FlopModel, StepRecord, Throughput, peak_flops, snapshot_pools
 from litft.recipe import load_recipe
 
 
@@ -144,3 +144,17 @@ def test_estimate_cli_gives_a_verdict_and_ranked_fixes(capsys):
     assert fixes and "SGD" in out
     assert main(["estimate", "--config", "open-llama-13b-full-sgd", "--gpu-memory", "80"]) == 0
     assert "fits in 80.0 GiB" in capsys.readouterr().out
+
+
+def test_snapshot_pools_split_reserved_memory_by_pool():
+    gib = 2**30
+    snapshot = {"segments": [
+        {"segment_pool_id": (0, 0), "total_size": 2 * gib, "allocated_size": gib + gib // 2},
+        {"segment_pool_id": (0, 0), "total_size": gib, "allocated_size": gib},
+        {"segment_pool_id": (1, 0), "total_size": 4 * gib, "allocated_size": gib // 4},
+    ]}
+    assert snapshot_pools(snapshot) == [
+        "default pool: 3.00 GiB reserved in 2 segments, 2.50 GiB allocated, 0.50 GiB free",
+        "graph pool (1, 0): 4.00 GiB reserved in 1 segments, 0.25 GiB allocated, 3.75 GiB free",
+    ]
+    assert snapshot_pools({}) == []

@@ -166,6 +166,21 @@ def test_out_of_memory_exits_4_naming_the_batch_and_what_would_help(tiny_recipe,
     assert "train.micro_batch_size 2" in message and "activation_checkpointing" in message
 
 
+def test_out_of_memory_while_loading_the_model_exits_4(tiny_recipe, monkeypatch):
+    import importlib
+
+    ft = importlib.import_module("litft.finetune")  # the module (litft.finetune is also the function)
+
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 GiB")
+
+    monkeypatch.setattr(ft, "build_model", exhausted)
+    with pytest.raises(OutOfMemoryError) as info:
+        litft.finetune(tiny_recipe(method="full", precision="32-true"))
+    assert info.value.exit_code == 4
+    assert "micro_batch_size 4" in str(info.value) and "Tried to allocate 26.00 GiB" in str(info.value)
+
+
 def test_a_full_disk_fails_the_save_with_exit_6_and_keeps_the_previous_checkpoint(tiny_recipe, monkeypatch):
     import litft.checkpoint as ckpt
 
