@@ -17,7 +17,8 @@ commands:
   show NAME|PATH [--resolved]                 a recipe's YAML (with its comments), or the resolved config
   cp NAME DEST [--force]                      copy a shipped recipe to edit it
   validate NAME|PATH [--key value ...]        check a recipe and overrides without running it
-  estimate --config NAME|PATH [--gpu-memory 80] [--key value ...]
+  estimate --config NAME|PATH [--gpu-memory 80] [--sharding none|zero2|zero3]
+           [--offload none|optimizer|optimizer+params] [--key value ...]
                                               predicted GPU memory, part by part, and what would fit
   finetune --config NAME|PATH [--key value ...] [--overwrite] [--resume auto|CHECKPOINT]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
@@ -115,6 +116,8 @@ def cmd_estimate(args: list[str]) -> int:
     from litft.recipe import load_recipe, parse_memory_cap
 
     gpu_memory = _take_option(args, "--gpu-memory")
+    sharding = _take_option(args, "--sharding") or "none"
+    offload = _take_option(args, "--offload") or "none"
     as_json = _take_flag(args, "--json")
     config = _take_option(args, "--config")
     if config is None:
@@ -134,12 +137,20 @@ def cmd_estimate(args: list[str]) -> int:
 
         total = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
         budget = parse_memory_cap(recipe.memory_cap, total)
-    est = estimate_memory(recipe)
-    fits = what_would_fit(recipe, budget) if budget is not None and est.device_gib > budget else []
+    try:
+        est = estimate_memory(recipe, sharding=sharding, offload=offload)
+    except ValueError as err:  # a sharding/offload choice that does not exist or does not combine
+        raise ConfigError(f"--sharding/--offload: {err}") from None
+    sharded = sharding != "none"
+    fits = what_would_fit(recipe, budget) if budget is not None and est.device_gib > budget and not sharded else []
     if as_json:
-        print(json_module.dumps({"estimate": est.as_dict(), "budget_gib": budget, "would_fit": fits}, indent=2))
+        print(json_module.dumps({"estimate": est.as_dict(), "budget_gib": budget, "would_fit": fits,
+                                 "sharding": sharding, "offload": offload}, indent=2))
         return 0
     print(f"{config}: {recipe.method} {recipe.precision}, {recipe.batch_arithmetic()}")
+    if sharded:
+        print(f"planned: {sharding} over {recipe.devices} GPU(s), offload {offload} (a plan for an FSDP or DeepSpeed"
+              " run; litft's own loop replicates the model, DDP)")
     print(f"predicted GPU memory per device ({recipe.devices} device(s)):")
     print("\n".join(est.lines()))
     for note in est.notes:
@@ -152,7 +163,8 @@ def cmd_estimate(args: list[str]) -> int:
             for f in fits:
                 print(f"  - {f['change']}: {f['device_gib']:.1f} GiB (-{f['saving_gib']:.1f})")
         elif est.device_gib > budget:
-            print("no single change or pair of changes fits; consider more GPUs (sharding) or a smaller model")
+            print("no single change or pair of changes fits; consider more GPUs with sharding (e.g. --devices 4"
+                  " --sharding zero3) or a smaller model")
     return 0
 
 

@@ -319,14 +319,20 @@ def _autocast(recipe: Recipe, dtype: torch.dtype):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+SHARDING = ("none", "zero2", "zero3")
+OFFLOAD = ("none", "optimizer", "optimizer+params")
+
+
 def estimate_memory(
-    recipe: Recipe, config=None, tokens: int | None = None, compiled: bool | None = None, cached_only: bool = False
+    recipe: Recipe, config=None, tokens: int | None = None, compiled: bool | None = None, cached_only: bool = False,
+    sharding: str = "none", offload: str = "none",
 ) -> MemoryEstimate | None:
     """Predict the peak GPU memory of a recipe, per GPU, part by part.
 
     `tokens`: positions in the largest micro-batch (a run passes what its data can form); by default the recipe's
     bound, micro_batch_size x max_seq_length. `cached_only`: return None rather than trace the activations (used by
-    `litft ls`, which must stay instant)."""
+    `litft ls`, which must stay instant). `sharding` and `offload` plan a sharded run over recipe.devices GPUs (see
+    shard_model_state; litft's own loop runs DDP, which replicates: 'none')."""
     from litft.model import model_config
 
     config = config or model_config(recipe)
@@ -366,6 +372,10 @@ def estimate_memory(
     parts.append(Part("gradients", grads / GIB, f"{n_trainable / 1e6:.1f}M trainable x {pbytes} B"))
     opt_bytes, opt_detail = _optimizer_state_bytes(recipe, trainable, pbytes)
     parts.append(Part("optimizer state", opt_bytes / GIB, opt_detail))
+    host_offloaded = 0.0
+    if sharding != "none" or offload != "none":
+        block_params = sum(p.numel() for p in model.transformer.h[0].parameters())
+        host_offloaded = shard_model_state(parts, recipe.devices, sharding, offload, block_params, compute_bytes, mixed)
 
     # activations
     tokens = tokens or recipe.train.micro_batch_size * recipe.data.max_seq_length
@@ -399,6 +409,10 @@ def estimate_memory(
         notes.append("accumulation 1: gradients and a micro-batch's activations overlap only in part; the ledger"
                      " counts both in full (an upper bound)")
     host = (n_trainable + n_frozen) * pbytes / GIB  # loading a checkpoint memory-maps it; about one copy at most
+    if host_offloaded:
+        host += host_offloaded
+        notes.append(f"offload: {host_offloaded:.1f} GiB of host RAM for what all {recipe.devices} ranks move there"
+                     " (DeepSpeed pins it: it must be free RAM, not swap)")
     return MemoryEstimate(
         parts=parts,
         allocated_gib=allocated,
@@ -409,6 +423,70 @@ def estimate_memory(
         tokens=tokens,
         notes=notes,
     )
+
+
+def shard_model_state(parts: list[Part], devices: int, sharding: str, offload: str, block_params: int,
+                      compute_bytes: int, mixed: bool) -> float:
+    """Rewrite the model-state parts of a ledger (in place) for a sharded run over `devices` GPUs; return the GiB
+    of host RAM that offload takes, for all ranks together. Activations and the loss are per GPU: unchanged.
+
+        sharding   weights                              gradients   optimizer state
+        zero2      full (gathered for forward/backward)  / devices   / devices    (FSDP SHARD_GRAD_OP, ZeRO-2)
+        zero3      / devices + 2 blocks gathered         / devices   / devices    (FSDP FULL_SHARD, ZeRO-3)
+
+    Two blocks gathered: the one computing and the next one prefetched, in the compute dtype. With -mixed, zero3
+    gathers each block already cast to 16 bits (those are the 16-bit copies); under zero2 every layer's copy stays
+    until its backward. Offload (DeepSpeed ZeRO-Offload / ZeRO-Infinity): 'optimizer' moves the
+    optimizer state, and under -mixed the fp32 master weights it updates, to host RAM (the GPU keeps the 16-bit
+    weights); 'optimizer+params' (zero3 only) also moves the sharded weights, leaving only the gathered blocks."""
+    if sharding not in SHARDING:
+        raise ValueError(f"sharding '{sharding}': choose one of {', '.join(SHARDING)}")
+    if offload not in OFFLOAD:
+        raise ValueError(f"offload '{offload}': choose one of {', '.join(OFFLOAD)}")
+    if offload != "none" and sharding == "none":
+        raise ValueError("offload needs sharding zero2 or zero3 (DeepSpeed offloads its ZeRO partitions)")
+    if offload == "optimizer+params" and sharding != "zero3":
+        raise ValueError("offload optimizer+params needs sharding zero3 (only ZeRO-3 partitions the weights)")
+    by_name = {p.name: p for p in parts}
+    n = max(devices, 1)
+    gathered = 2 * block_params * compute_bytes / GIB
+    host = 0.0
+    weights, grads, state = by_name["weights"], by_name["gradients"], by_name["optimizer state"]
+    copies = by_name.get("16-bit weight copies")
+    full_weights = weights.gib
+
+    grads.gib /= n
+    grads.detail += f", sharded over {n} GPUs"
+    if offload != "none":
+        host += state.gib  # every rank's share, all on the one host
+        state.detail += f": moved to host RAM ({state.gib:.2f} GiB for all ranks)"
+        state.gib = 0.0
+    else:
+        state.gib /= n
+        state.detail += f", sharded over {n} GPUs"
+
+    if mixed and offload != "none":
+        # the fp32 master weights go with the optimizer; the GPU trains on the 16-bit copies
+        host += full_weights
+        sixteen = full_weights * compute_bytes / 4
+        weights.gib, weights.detail = sixteen, f"16-bit weights (fp32 master copy on the host: {full_weights:.2f} GiB)"
+        if copies is not None:
+            parts.remove(copies)
+            copies = None
+        full_weights = sixteen
+    if sharding == "zero3":
+        if offload == "optimizer+params":
+            host += full_weights
+            weights.gib = gathered
+            weights.detail = f"on the host ({full_weights:.2f} GiB); 2 blocks gathered on the GPU at a time"
+        else:
+            weights.gib = full_weights / n + gathered
+            weights.detail += f", sharded over {n} GPUs + 2 blocks gathered ({gathered:.2f} GiB)"
+        if copies is not None:  # FSDP gathers in the compute dtype: the casts are the gathered blocks above
+            parts.remove(copies)
+    else:
+        weights.detail += " (replicated: zero2 shards gradients and optimizer state only)"
+    return host
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -134,6 +134,65 @@ def test_activations_scale_with_tokens_and_checkpointing_keeps_block_inputs(tiny
     assert acts == pytest.approx(100 * (n_layer * n_embd * 2 + est.activations_per_token_layer))
 
 
+def _block_params(recipe):
+    from litft.memory import _meta_model
+    from litft.model import model_config
+
+    return sum(p.numel() for p in _meta_model(recipe, model_config(recipe)).transformer.h[0].parameters())
+
+
+def test_ledger_sharded_divides_model_state_and_gathers_two_blocks(tiny):
+    r = tiny(method="full", precision="bf16-true", devices=2)
+    _, total = _counts(r)
+    block = _block_params(r)
+    plain = {p.name: p.gib * GIB for p in estimate_memory(r, compiled=False).parts}
+    zero3 = {p.name: p.gib * GIB for p in estimate_memory(r, compiled=False, sharding="zero3").parts}
+    zero2 = {p.name: p.gib * GIB for p in estimate_memory(r, compiled=False, sharding="zero2").parts}
+    # zero3 (FSDP full shard): every part of the model state / 2 GPUs, plus 2 blocks gathered in bf16
+    assert zero3["weights"] == pytest.approx(2 * total / 2 + 2 * 2 * block)
+    assert zero3["gradients"] == pytest.approx(2 * total / 2)
+    assert zero3["optimizer state"] == pytest.approx(2 * 2 * total / 2)
+    # zero2: the weights stay whole
+    assert zero2["weights"] == pytest.approx(2 * total)
+    assert zero2["gradients"] == pytest.approx(2 * total / 2) and zero2["optimizer state"] == pytest.approx(2 * total)
+    # activations and the loss are per GPU: sharding leaves them alone
+    for part in ("activations", "logits and loss"):
+        assert zero3[part] == zero2[part] == plain[part]
+
+
+def test_ledger_offload_moves_optimizer_state_and_fp32_master_to_the_host(tiny):
+    r = tiny(method="full", precision="bf16-mixed", devices=2)
+    _, total = _counts(r)
+    block = _block_params(r)
+    plain = estimate_memory(r, compiled=False)
+    est = estimate_memory(r, compiled=False, sharding="zero2", offload="optimizer")
+    parts = {p.name: p.gib * GIB for p in est.parts}
+    assert parts["optimizer state"] == 0 and "16-bit weight copies" not in parts
+    assert parts["weights"] == pytest.approx(2 * total)  # the GPU keeps bf16 weights
+    assert parts["gradients"] == pytest.approx(4 * total / 2)
+    # host: the checkpoint's one copy (fp32, 4 B) + AdamW's fp32 moments (8 B) + the fp32 master weights (4 B)
+    assert est.host_gib * GIB == pytest.approx(plain.host_gib * GIB + 8 * total + 4 * total)
+    every = estimate_memory(r, compiled=False, sharding="zero3", offload="optimizer+params")
+    weights = next(p.gib * GIB for p in every.parts if p.name == "weights")
+    assert weights == pytest.approx(2 * 2 * block)  # only the two gathered blocks stay on the GPU
+    assert every.host_gib * GIB == pytest.approx(plain.host_gib * GIB + 8 * total + 4 * total + 2 * total)
+    with pytest.raises(ValueError, match="offload needs sharding"):
+        estimate_memory(r, compiled=False, offload="optimizer")
+    with pytest.raises(ValueError, match="needs sharding zero3"):
+        estimate_memory(r, compiled=False, sharding="zero2", offload="optimizer+params")
+
+
+def test_estimate_cli_plans_a_sharded_run(capsys):
+    from litft.cli import main
+
+    assert main(["estimate", "--config", "open-llama-13b-full", "--gpu-memory", "80", "--devices", "4",
+                 "--sharding", "zero3"]) == 0
+    out = capsys.readouterr().out
+    assert "planned: zero3 over 4 GPU(s)" in out and "fits in 80.0 GiB" in out and "sharded over 4 GPUs" in out
+    assert main(["estimate", "--config", "open-llama-13b-full", "--sharding", "zero4"]) == 2
+    assert "choose one of none, zero2, zero3" in capsys.readouterr().err
+
+
 def test_estimate_cli_gives_a_verdict_and_ranked_fixes(capsys):
     from litft.cli import main
 
