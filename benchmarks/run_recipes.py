@@ -99,6 +99,17 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-no-graphs", "tiny-llama-qlora", GPU + steps(25) + ["--train.cuda_graphs", "never"]),
         ("lora-micro8", "tiny-llama-lora", GPU + steps(25) + ["--train.micro_batch_size", "8"]),
     ],
+    # Issue 5: data.pack_steps (micro-batches filled by positions: a TinyLlama step of 16 ~250-position samples in 2
+    # micro-batches of <= 2,048 instead of 4 half-full ones) on and off, same peak memory bound.
+    "pack-steps-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(40)),
+        ("lora-pack-steps", "tiny-llama-lora", GPU + steps(40) + ["--data.pack_steps", "true"]),
+        ("qlora", "tiny-llama-qlora", GPU + steps(40)),
+        ("qlora-pack-steps", "tiny-llama-qlora", GPU + steps(40) + ["--data.pack_steps", "true"]),
+        ("full", "tiny-llama-full", GPU + steps(30)),
+        ("full-pack-steps", "tiny-llama-full", GPU + steps(30) + ["--data.pack_steps", "true"]),
+        ("7b-lora-pack-steps", "open-llama-7b-lora", GPU + steps(12) + ["--data.pack_steps", "true"]),
+    ],
     # Issue 5: OpenLLaMA-7B LoRA runs 8.5k tok/s steady (12k is the target): ~240 ms per 2,048-position micro-batch
     # where its matmuls need ~100 ms at 650 TFLOP/s. The profile's top ops say where the rest goes.
     "profile-7b": [

@@ -203,7 +203,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 # Changing these would make the resumed run a different run: refused.
 _MUST_MATCH = (
     "model", "init", "method", "lora", "quantize", "precision", "data.path", "data.val_path", "data.val_split",
-    "data.fields", "data.prompt_style", "data.max_seq_length", "data.mask_prompt", "data.packing",
+    "data.fields", "data.prompt_style", "data.max_seq_length", "data.mask_prompt", "data.packing", "data.pack_steps",
     "train.global_batch_size", "train.micro_batch_size", "devices", "seed", "optimizer.class_path",
 )
 # Changing these is allowed; the resumed run says which value wins.
@@ -220,8 +220,16 @@ def _get(values: dict, dotted: str) -> Any:
 def resume_differences(saved: dict, recipe: Recipe) -> tuple[list[str], list[str]]:
     """(refusals, warnings) comparing the checkpoint's config with the recipe of the resuming run."""
     now = recipe_to_dict(recipe)
-    refuse = [f"{key}: checkpoint {_get(saved, key)!r}, now {_get(now, key)!r}"
-              for key in _MUST_MATCH if _get(saved, key) != _get(now, key)]
-    warn = [f"{key}: checkpoint {_get(saved, key)!r}, now {_get(now, key)!r} (the new value is used)"
-            for key in _WARN if _get(saved, key) != _get(now, key)]
+    defaults = recipe_to_dict(Recipe())
+
+    def then(key: str) -> Any:  # a field added after the checkpoint was written had its default then
+        section, _, name = key.rpartition(".")
+        holder = _get(saved, section) if section else saved
+        missing = isinstance(holder, dict) and name not in holder
+        return _get(defaults, key) if missing else _get(saved, key)
+
+    refuse = [f"{key}: checkpoint {then(key)!r}, now {_get(now, key)!r}"
+              for key in _MUST_MATCH if then(key) != _get(now, key)]
+    warn = [f"{key}: checkpoint {then(key)!r}, now {_get(now, key)!r} (the new value is used)"
+            for key in _WARN if then(key) != _get(now, key)]
     return refuse, warn

@@ -588,6 +588,38 @@ def collate_packed(
     }
 
 
+def fill_micro_batches(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into micro-batches of at most ``capacity`` positions each, as few as first-fit
+    decreasing finds (longest sample first, into the first micro-batch with room, else a new one). Each group lists
+    its indices in ascending order. Every length must be at most ``capacity``."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        if lengths[i] > capacity:
+            raise ValueError(f"a sample of {lengths[i]} positions does not fit a micro-batch of {capacity}")
+        for g, left in enumerate(room):
+            if lengths[i] <= left:
+                groups[g].append(i)
+                room[g] -= lengths[i]
+                break
+        else:
+            groups.append([i])
+            room.append(capacity - lengths[i])
+    return [sorted(group) for group in groups]
+
+
+def collate_step_packed(
+    samples: list[dict[str, torch.Tensor]], pad_id: int, capacity: int, multiple: int = PACK_MULTIPLE,
+    segments: int | None = None,
+) -> list[dict[str, Any]]:
+    """One optimizer step's samples (on this rank) as packed micro-batches of at most ``capacity`` positions each
+    (:func:`fill_micro_batches`), each made by :func:`collate_packed`. A step of 16 TinyLlama-Alpaca samples (~250
+    positions each, capacity 4 x 512) becomes 2 full micro-batches instead of 4 half-full ones."""
+    groups = fill_micro_batches([len(sample["input_ids"]) for sample in samples], capacity)
+    return [collate_packed([samples[i] for i in group], pad_id, multiple, segments) for group in groups]
+
+
 def choose_pad_id(tokenizer: Tokenizer) -> int:
     """The tokenizer's pad id if it has one, else its EOS id, else 0. Padded positions get no loss and are masked
     by causality for the real tokens before them, so any valid id will do."""
@@ -773,12 +805,14 @@ class EpochBatchSampler(Sampler[list[int]]):
 
 def build_dataloader(
     dataset: SFTDataset, sampler: EpochBatchSampler, pad_id: int, num_workers: int, packing: bool = False,
-    fixed_shapes: bool = False,
+    fixed_shapes: bool = False, step_capacity: int | None = None,
 ) -> DataLoader:
     """A DataLoader driven by ``sampler`` (as its batch_sampler) and :func:`collate` (or :func:`collate_packed`).
 
     ``fixed_shapes``: few distinct batch shapes, for CUDA graphs (one capture per shape): rows padded to a multiple
     of GRAPH_MULTIPLE (packed) or 64 (padded batches), and cu_seqlens of one length (micro_batch_size + 2).
+    ``step_capacity`` (data.pack_steps): the sampler hands out one optimizer step's samples at a time and each item
+    of the loader is that step's list of packed micro-batches (:func:`collate_step_packed`).
 
     The collate function is a ``functools.partial`` of a module-level function, so it pickles into worker processes
     under any start method. Memory is pinned only when CUDA is present (pinning on a CPU-only machine warns and helps
@@ -788,7 +822,7 @@ def build_dataloader(
     return DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=collate_function(pad_id, packing, fixed_shapes, sampler.micro_batch_size),
+        collate_fn=collate_function(pad_id, packing, fixed_shapes, sampler.micro_batch_size, step_capacity),
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
@@ -799,8 +833,14 @@ def build_dataloader(
     )
 
 
-def collate_function(pad_id: int, packing: bool, fixed_shapes: bool, micro_batch_size: int):
-    """The collate a loader uses: a ``functools.partial`` of a module-level function (it pickles into workers)."""
+def collate_function(pad_id: int, packing: bool, fixed_shapes: bool, micro_batch_size: int,
+                     step_capacity: int | None = None):
+    """The collate a loader uses: a ``functools.partial`` of a module-level function (it pickles into workers).
+    ``micro_batch_size``: the most samples one collate call gets (with step_capacity, a step's samples)."""
+    if step_capacity is not None:  # a micro-batch may hold all of the step's samples: micro_batch_size + 1 segments
+        return functools.partial(collate_step_packed, pad_id=pad_id, capacity=step_capacity,
+                                 multiple=GRAPH_MULTIPLE if fixed_shapes else PACK_MULTIPLE,
+                                 segments=micro_batch_size + 1 if fixed_shapes else None)
     if packing and fixed_shapes:  # samples + the padding tail: micro_batch_size + 1 segments at most
         return functools.partial(collate_packed, pad_id=pad_id, multiple=GRAPH_MULTIPLE, segments=micro_batch_size + 1)
     if packing:
@@ -808,14 +848,31 @@ def collate_function(pad_id: int, packing: bool, fixed_shapes: bool, micro_batch
     return functools.partial(collate, pad_id=pad_id, multiple=64 if fixed_shapes else 1)
 
 
-def largest_batches(lengths: torch.Tensor, micro_batch_size: int, collate_fn, pad_id: int) -> list[dict[str, Any]]:
+def _fill_to(sizes: list[int], capacity: int) -> list[int]:
+    """Sample lengths, longest first, taken while they fit ``capacity`` positions; the last one cut to fill it."""
+    out: list[int] = []
+    for size in sizes:
+        take = min(size, capacity - sum(out))
+        if take <= 0:
+            break
+        out.append(take)
+    return out
+
+
+def largest_batches(
+    lengths: torch.Tensor, micro_batch_size: int, collate_fn, pad_id: int, capacity: int | None = None,
+) -> list[dict[str, Any]]:
     """Stand-in micro-batches, largest first: the shape of the data's ``micro_batch_size`` longest samples, and the
-    next smaller shape (the longest sample shortened by 256 positions), made by the run's own ``collate_fn``.
+    next smaller shape (the longest sample shortened by 256 positions), made by the run's own ``collate_fn`` (one
+    packed micro-batch per call). ``capacity`` (data.pack_steps, where ``micro_batch_size`` is a step's samples):
+    the longest samples only as far as they fill that many positions.
 
     For CUDA graphs: warming up on both before training makes torch.compile settle its shape-generic kernels, and
     capturing the largest shape first sizes the graphs' memory pool once; smaller shapes then fit in it. The tokens
     are all ``pad_id`` (any valid id: the numbers do not matter, only the shapes)."""
     longest = torch.sort(lengths, descending=True).values[: min(micro_batch_size, len(lengths))].tolist()
+    if capacity is not None:  # data.pack_steps: the fullest micro-batch a step's samples can fill
+        longest = _fill_to(longest, capacity)
     shorter = [max(1, longest[0] - 256)] + longest[1:]
     batches = []
     for sizes in (longest, shorter):

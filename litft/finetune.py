@@ -185,8 +185,13 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length))
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
 
+        # data.pack_steps: the sampler hands out a step's samples at once (micro_batch_size x grad_accum: the same
+        # samples per step, in the same order, as grad_accum micro-batches of micro_batch_size) and the collate
+        # fills micro-batches from them by positions
+        step_capacity = recipe.step_capacity if recipe.data.pack_steps else None
+        samples_per_item = recipe.train.micro_batch_size * (recipe.grad_accum if recipe.data.pack_steps else 1)
         train_sampler = EpochBatchSampler(
-            len(data.train), recipe.train.micro_batch_size, shuffle=True, seed=recipe.seed,
+            len(data.train), samples_per_item, shuffle=True, seed=recipe.seed,
             rank=fabric.global_rank, world_size=fabric.world_size, drop_last=True,
         )
         val_sampler = EpochBatchSampler(
@@ -196,12 +201,12 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         # The samplers already give each rank its share, so Fabric must not add a DistributedSampler.
         train_loader, val_loader = fabric.setup_dataloaders(
             build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers, recipe.data.packing,
-                             fixed_shapes=graphed),
+                             fixed_shapes=graphed, step_capacity=step_capacity),
             build_dataloader(data.val, val_sampler, data.pad_id, recipe.data.num_workers, recipe.data.packing),
             use_distributed_sampler=False,
             move_to_device=False,  # the loop moves the two tensors itself; the counts stay plain ints
         )
-        total_steps = planned_steps(recipe, len(train_sampler))
+        total_steps = planned_steps(recipe, len(train_sampler) * (recipe.grad_accum if recipe.data.pack_steps else 1))
         scheduler = build_scheduler(recipe, optimizer, total_steps)
 
     device_name = torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else "cpu"
@@ -220,7 +225,10 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     status = "failed"
     gpu: dict = {}
     losses: dict[str, float | None] = {"train_first": None, "train_last": None, "val_initial": None, "val_final": None}
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0, "max_micro_tokens": 0}
+    # micro_batches: loader items consumed (the data position); micro_batches_run: forward/backward passes run by
+    # this process (with data.pack_steps, fewer than steps x grad_accum)
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0, "max_micro_tokens": 0,
+             "micro_batches_run": 0}
     clock = metrics.StepClock(fabric.device)
     micro_step = GraphedMicroSteps(fabric, model, progress.print) if graphed else PlainMicroStep(fabric, model)
     if checkpoint is not None:
@@ -232,9 +240,9 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     profiler.start_snapshot()
     try:
         if graphed:  # warm-up and capture run the largest micro-batch: inside the try, so running out of memory is exit 4
-            train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.train.micro_batch_size)
-            micro_step.prepare(largest_batches(data.train.lengths, recipe.train.micro_batch_size, train_collate,
-                                               data.pad_id))
+            train_collate = collate_function(data.pad_id, recipe.data.packing, True, samples_per_item)
+            micro_step.prepare(largest_batches(data.train.lengths, samples_per_item, train_collate, data.pad_id,
+                                               step_capacity))
         if recipe.eval.initial:
             with phases("eval"):
                 losses["val_initial"] = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
@@ -297,16 +305,20 @@ def fit(
     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader, total_steps, flop_model,
     throughput, clock, writer, progress, losses, state, phases, out_dir, micro_step, profiler,
 ) -> None:
-    """The loop: one iteration per optimizer step, `grad_accum` micro-batches each (`micro_step` runs one
-    micro-batch's forward and backward, plainly or as a CUDA graph)."""
+    """The loop: one iteration per optimizer step, `grad_accum` micro-batches each (with data.pack_steps, as many as
+    the step's samples fill; `micro_step` runs one micro-batch's forward and backward, plainly or as a CUDA graph)."""
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
     while state["step"] < total_steps:
         step = state["step"] + 1
         profiler.before(step)
-        step_batches = [next(batches) for _ in range(accum)]
+        if recipe.data.pack_steps:  # one loader item: the step's samples, already packed into micro-batches
+            step_batches = next(batches)
+        else:
+            step_batches = [next(batches) for _ in range(accum)]
         state["max_micro_tokens"] = max(state["max_micro_tokens"], *(b["tokens_padded"] for b in step_batches))
+        state["micro_batches_run"] += len(step_batches)
         # Normalise by the step's loss tokens over all ranks, so each loss token weighs the same however the global
         # batch is split into micro-batches and devices. DDP averages gradients over ranks, hence the x world_size.
         loss_tokens = sum(b["loss_tokens"] for b in step_batches)  # counted on the CPU by the collate
@@ -319,7 +331,7 @@ def fit(
         clock.start()
         loss_sum = torch.zeros((), device=fabric.device)
         for i, batch in enumerate(step_batches):
-            with fabric.no_backward_sync(model, enabled=i < accum - 1):
+            with fabric.no_backward_sync(model, enabled=i < len(step_batches) - 1):
                 with mark("forward+backward"):
                     loss_sum += micro_step(model_inputs(batch, fabric.device), denominator)
 
@@ -688,11 +700,14 @@ class StepProfiler:
 
 def worst_case_tokens(recipe: Recipe, lengths: torch.Tensor) -> int:
     """Positions of the largest micro-batch the data can form: the B longest samples packed (rounded up to the
-    packing multiple), or B rows of the longest sample when padding."""
+    packing multiple), or B rows of the longest sample when padding. With data.pack_steps: a step's longest samples
+    as far as they fill micro_batch_size x max_seq_length positions."""
     from litft.data import PACK_MULTIPLE
 
-    b = min(recipe.train.micro_batch_size, len(lengths))
+    b = min(recipe.train.micro_batch_size * (recipe.grad_accum if recipe.data.pack_steps else 1), len(lengths))
     longest = torch.sort(lengths, descending=True).values[:b]
+    if recipe.data.pack_steps:
+        return int(-(-min(int(longest.sum()), recipe.step_capacity) // PACK_MULTIPLE) * PACK_MULTIPLE)
     if recipe.data.packing:
         return int(-(-int(longest.sum()) // PACK_MULTIPLE) * PACK_MULTIPLE)
     return int(longest[0]) * recipe.train.micro_batch_size
@@ -941,6 +956,8 @@ def build_result(
             "global_batch_size": recipe.train.global_batch_size,
             "max_seq_length": recipe.data.max_seq_length,
             "arithmetic": recipe.batch_arithmetic(),
+            "pack_steps": recipe.data.pack_steps,
+            "micro_batches_run": state["micro_batches_run"],
         },
         "data": {
             "train": dataclasses.asdict(data.train.stats), "val": dataclasses.asdict(data.val.stats),

@@ -116,6 +116,13 @@ class DataConfig:
     """Concatenate each micro-batch's samples into one row, attention kept within each sample: the same samples and
     loss as padding to the longest, without computing the padding (typically a third to a half of the positions)."""
 
+    pack_steps: bool = False
+    """With packing: fill micro-batches by positions rather than by samples. Each optimizer step's samples are packed
+    into as few micro-batches of at most micro_batch_size x max_seq_length positions as fit (first-fit decreasing),
+    so short samples make fewer, fuller micro-batches at the same peak memory. The same samples per step and the
+    same loss normalisation (by the step's loss tokens): the same update, up to rounding. An epoch then ends at its
+    last whole step (without it, a step may take its last micro-batches from the next epoch)."""
+
     num_workers: int = 2
     """DataLoader worker processes (0 = load in the training process)."""
 
@@ -323,7 +330,15 @@ class Recipe:
             f"micro_batch_size {t.micro_batch_size} x accumulation {self.grad_accum} x devices {self.world_size}"
             f" = global_batch_size {t.global_batch_size}; up to {t.global_batch_size * self.data.max_seq_length:,}"
             f" tokens per step at max_seq_length {self.data.max_seq_length}"
+            + (f"; micro-batches filled to {self.step_capacity:,} positions (data.pack_steps)"
+               if self.data.pack_steps else "")
         )
+
+    @property
+    def step_capacity(self) -> int:
+        """Positions per micro-batch under data.pack_steps: the same bound as micro_batch_size samples at most
+        max_seq_length long, so the same peak activation memory."""
+        return self.train.micro_batch_size * self.data.max_seq_length
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -751,6 +766,8 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
         problems.append(f"train.keep_last_n: must be at least 1 (the checkpoint to resume from), got {t.keep_last_n}")
     if t.loss_chunk < 0:
         problems.append(f"train.loss_chunk: must be 0 (no chunking) or positive, got {t.loss_chunk}")
+    if recipe.data.pack_steps and not recipe.data.packing:
+        problems.append("data.pack_steps: fills packed micro-batches, so it needs data.packing true")
     if t.max_steps is not None and t.max_steps < 1:
         problems.append(f"train.max_steps: must be at least 1 or null, got {t.max_steps}")
     if t.warmup_steps < 0:

@@ -589,3 +589,44 @@ def test_largest_batches_have_the_largest_shape_the_data_can_form_and_the_next_s
     padded = collate_function(pad_id=0, packing=False, fixed_shapes=True, micro_batch_size=3)
     largest, smaller = largest_batches(lengths, 3, padded, pad_id=0)
     assert largest["input_ids"].shape == (3, 704) and smaller["input_ids"].shape == (3, 512)  # rows of 64
+
+
+def test_fill_micro_batches_packs_a_step_into_few_full_micro_batches():
+    from litft.data import fill_micro_batches
+
+    lengths = [300, 100, 512, 50, 250, 400, 30, 200]  # 1,842 positions
+    groups = fill_micro_batches(lengths, capacity=1024)
+    assert sorted(i for g in groups for i in g) == list(range(8))  # every sample once
+    assert all(sum(lengths[i] for i in g) <= 1024 for g in groups)
+    assert len(groups) == 2  # the fewest possible: 1,842 > 1,024
+    assert all(g == sorted(g) for g in groups)
+    # first-fit decreasing by hand: 512, 400 (112 left) | 300, 250, 200 (274 left) | 100 fits the first,
+    # 50 and 30 only the second
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[100, 400, 512], [30, 50, 200, 250, 300]]
+    with pytest.raises(ValueError, match="does not fit"):
+        fill_micro_batches([2000], capacity=1024)
+
+
+def test_step_packed_collate_keeps_every_sample_and_its_loss_tokens():
+    from litft.data import collate_packed, collate_step_packed
+
+    samples = [{"input_ids": torch.arange(n) + 1, "labels": torch.arange(n) + 1} for n in (7, 3, 9, 2, 5)]
+    for sample in samples:
+        sample["labels"][:2] = IGNORE_INDEX  # a prompt of 2
+    micro = collate_step_packed(samples, pad_id=0, capacity=12, multiple=4, segments=6)
+    whole = collate_packed(samples, pad_id=0)
+    assert len(micro) == 3  # 9+3 | 7+5 | 2 (first-fit decreasing into 12 positions)
+    assert sum(m["tokens_real"] for m in micro) == whole["tokens_real"] == 26
+    assert sum(m["loss_tokens"] for m in micro) == whole["loss_tokens"] == 16
+    assert sorted(n for m in micro for n in m["lengths"]) == [2, 3, 5, 7, 9]
+    assert all(m["input_ids"].shape[1] <= 12 and m["cu_seqlens"].shape == (7,) for m in micro)
+
+
+def test_largest_batches_under_pack_steps_fill_the_capacity():
+    from litft.data import collate_function, largest_batches
+
+    lengths = torch.tensor([100, 120, 90, 80, 70, 60, 50, 40])
+    one_row = collate_function(pad_id=0, packing=True, fixed_shapes=True, micro_batch_size=8)
+    largest, smaller = largest_batches(lengths, 8, one_row, pad_id=0, capacity=512)
+    assert largest["input_ids"].shape == (1, 512)  # 120+100+90+80+70+52 (the last cut) fill 512 positions
+    assert largest["cu_seqlens"].shape == (8 + 2,)

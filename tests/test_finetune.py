@@ -190,3 +190,29 @@ def test_memory_snapshot_is_cuda_only_and_the_cpu_run_says_so(tiny_recipe, capsy
     assert result.result["status"] == "ok"
     assert "memory snapshot: CUDA only" in capsys.readouterr().out
     assert not (result.out_dir / "memory_snapshot.pickle").exists()
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_pack_steps_runs_fewer_micro_batches_with_the_same_updates(tiny_recipe, tmp_path, method):
+    """data.pack_steps fills micro-batches by positions: the same samples per step and the same normalisation by
+    the step's loss tokens, so the same losses and weights (fp32, no dropout: up to summation order)."""
+    common = dict(method=method, lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "v", "mlp"]},
+                  eval={"initial": False, "final": True, "interval": 0},
+                  train={"global_batch_size": 12, "micro_batch_size": 4, "max_steps": 5, "epochs": 2,
+                         "warmup_steps": 1})
+    runs = {flag: litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / str(flag)),
+                                             data={"pack_steps": flag, "max_seq_length": 96}))
+            for flag in (False, True)}
+    plain, packed = runs[False].result, runs[True].result
+    # 37 samples: 9 micro-batches of 4 = 3 steps of 12 per epoch either way; 5 steps cross an epoch boundary
+    assert plain["steps"] == packed["steps"] == 5
+    assert plain["batch"]["micro_batches_run"] == 5 * 3 and not plain["batch"]["pack_steps"]
+    # ~52-position samples, 4 x 96 = 384 positions per micro-batch: 7 samples fit one, so 2 micro-batches a step
+    assert packed["batch"]["pack_steps"] and packed["batch"]["micro_batches_run"] == 5 * 2
+    assert packed["throughput"]["tokens_real"] == plain["throughput"]["tokens_real"]  # the same samples
+    assert packed["throughput"]["loss_tokens"] == plain["throughput"]["loss_tokens"]
+    losses = [[r["loss"] for r in _read_rows(run.out_dir / "metrics.jsonl")] for run in runs.values()]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert runs[True].val_loss == pytest.approx(runs[False].val_loss, rel=1e-5)
+    for (name, a), b in zip(runs[False].model.state_dict().items(), runs[True].model.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name

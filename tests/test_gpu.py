@@ -137,20 +137,27 @@ def test_qlora_save_resume_and_merge_round_trip(tiny_recipe, tiny_checkpoint_dir
     assert merge_error < 1.5 * rounding_error + 0.01, (merge_error, rounding_error)
 
 
-@pytest.mark.parametrize("method,compile_mode", [("full", "never"), ("lora", "never"), ("lora", "always")])
-def test_cuda_graph_replays_give_the_losses_of_plain_steps(tiny_recipe, tmp_path, method, compile_mode):
+@pytest.mark.parametrize("method,compile_mode,pack_steps", [
+    ("full", "never", False), ("lora", "never", False), ("lora", "always", False), ("lora", "never", True)])
+def test_cuda_graph_replays_give_the_losses_of_plain_steps(tiny_recipe, tmp_path, method, compile_mode, pack_steps):
     """Issue 5: replayed micro-steps train the same model as plain ones (same data order; fixed-shape rows only add
-    padding without loss)."""
+    padding without loss), also when data.pack_steps fills micro-batches by positions."""
     common = dict(method=method, lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "k", "v", "o", "mlp"]},
-                  eval={"initial": False, "final": True, "interval": 0})
+                  eval={"initial": False, "final": True, "interval": 0},
+                  data={"max_seq_length": 96, "pack_steps": pack_steps})
+    # pack_steps: global 16 = micro 4 x 4; ~52-position samples fill 4 x 96 positions 7 at a time: 3 micro-batches
+    batch = {"global_batch_size": 16, "epochs": 3} if pack_steps else {}
     runs = {
         mode: litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / mode),
-                                         train={"compile": compile_mode, "cuda_graphs": mode, "max_steps": 6}))
+                                         train={"compile": compile_mode, "cuda_graphs": mode, "max_steps": 6, **batch}))
         for mode in ("never", "always")
     }
     graphs = runs["always"].result["cuda_graphs"]
     assert graphs["on"] and graphs["failure"] is None and graphs["shapes_captured"] >= 1
-    micro_batches = runs["always"].result["steps"] * 2  # global 8 = micro 4 x 2
+    micro_batches = runs["always"].result["batch"]["micro_batches_run"]
+    assert micro_batches == runs["never"].result["batch"]["micro_batches_run"]
+    steps = runs["always"].result["steps"]
+    assert micro_batches == (steps * 3 if pack_steps else steps * 2)
     assert graphs["replays"] + graphs["plain_micro_batches"] == micro_batches and graphs["replays"] >= micro_batches / 2
     assert runs["never"].result["cuda_graphs"] == {"on": False}
     # the ledger is held against the memory the run held: with graphs, the pool sized by the largest captured shape

@@ -122,9 +122,10 @@ def test_contradictions_are_listed_together(tmp_path):
         tmp_path,
         "init: random\nmodel:\n  name: tiny-llama-1.1b\nmethod: qlora\nprecision: bf16-mixed\n"
         "train:\n  global_batch_size: 10\n  micro_batch_size: 4\n",
-        "--lora.r", "0",
+        "--lora.r", "0", "--data.packing", "false", "--data.pack_steps", "true",
     )
     text = "\n".join(problems)
+    assert "data.pack_steps: fills packed micro-batches, so it needs data.packing true" in text
     assert "train.global_batch_size: 10 is not a multiple of micro_batch_size x devices = 4 x 1 = 4; try 8 or 12" in text
     assert "quantize: method qlora needs a 4-bit format" in text
     assert "precision: bf16-mixed cannot be combined with 4-bit weights" in text

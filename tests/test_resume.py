@@ -36,9 +36,10 @@ def _resumable(tiny_recipe, method, train=None, **extra):
     return tiny_recipe(train=train_settings, **settings)
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_recipe, tmp_path, method):
-    recipe = _resumable(tiny_recipe, method)
+@pytest.mark.parametrize("method,pack_steps", [("full", False), ("lora", False), ("lora", True)])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_recipe, tmp_path, method, pack_steps):
+    data = {"val_split": 0.1, "max_seq_length": 160, "pack_steps": pack_steps}
+    recipe = _resumable(tiny_recipe, method, data=data)
     whole = litft.finetune(recipe)
     assert whole.result["batch"]["grad_accum"] == 2
     reference_rows = _rows(whole.out_dir)
@@ -50,7 +51,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_recipe, tmp_path, 
         out_dir = tmp_path / f"resume-{k}"
         shutil.copytree(whole.out_dir, out_dir)
         checkpoint = out_dir / "checkpoints" / f"step-{k:06d}"
-        again = litft.finetune(_resumable(tiny_recipe, method, out_dir=str(out_dir)), resume=str(checkpoint))
+        again = litft.finetune(_resumable(tiny_recipe, method, out_dir=str(out_dir), data=data), resume=str(checkpoint))
         rows = _rows(out_dir)
         assert [r["step"] for r in rows] == list(range(1, 13))  # no step twice, none missing
         assert [r["loss"] for r in rows] == [r["loss"] for r in reference_rows]  # exact, on the CPU
@@ -203,3 +204,15 @@ def test_a_full_disk_fails_the_save_with_exit_6_and_keeps_the_previous_checkpoin
     assert not list((out_dir / "checkpoints").glob(".tmp-*"))
     monkeypatch.setattr(ckpt.torch, "save", real_save)
     assert ckpt.load_checkpoint(committed_checkpoints(out_dir)[0])["commit"]["step"] == 1
+
+
+def test_a_field_added_since_the_checkpoint_compares_as_its_default(tiny_recipe):
+    from litft.checkpoint import resume_differences
+    from litft.recipe import recipe_to_dict
+
+    recipe = tiny_recipe(train={"max_grad_norm": None})
+    saved = recipe_to_dict(recipe)
+    del saved["data"]["pack_steps"]  # a checkpoint written before data.pack_steps existed
+    assert resume_differences(saved, recipe) == ([], [])  # and a saved null (max_grad_norm) stays null
+    refuse, _ = resume_differences(saved, tiny_recipe(train={"max_grad_norm": None}, data={"pack_steps": True}))
+    assert refuse == ["data.pack_steps: checkpoint False, now True"]
