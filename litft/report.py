@@ -124,6 +124,12 @@ for _field in (
     Field("losses.train_last", "train loss last", "loss"),
     Field("losses.val_initial", "val loss before", "loss"),
     Field("environment.gpu", "GPU", "text"),
+    Field("cuda_graphs.on", "CUDA graphs", "auto"),
+    Field("cuda_graphs.shapes_captured", "graph shapes", "int"),
+    Field("batch.pack_steps", "pack steps", "auto"),
+    Field("batch.micro_batches_run", "micro-batches", "int"),
+    Field("memory.predicted_for_tokens", "pred. tokens", "int"),
+    Field("phases_s.train", "train s", "auto"),
 ):
     KNOWN_FIELDS.setdefault(_field.path, _field)
 
