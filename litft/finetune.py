@@ -185,13 +185,11 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length))
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
 
-        # data.pack_steps: the sampler hands out a step's samples at once (micro_batch_size x grad_accum: the same
-        # samples per step, in the same order, as grad_accum micro-batches of micro_batch_size) and the collate
-        # fills micro-batches from them by positions
+        # data.pack_steps: the sampler hands out a step's samples at once (the same samples per step, in the same
+        # order, as grad_accum micro-batches of micro_batch_size) and the collate fills micro-batches from them
         step_capacity = recipe.step_capacity if recipe.data.pack_steps else None
-        samples_per_item = recipe.train.micro_batch_size * (recipe.grad_accum if recipe.data.pack_steps else 1)
         train_sampler = EpochBatchSampler(
-            len(data.train), samples_per_item, shuffle=True, seed=recipe.seed,
+            len(data.train), recipe.loader_batch_size, shuffle=True, seed=recipe.seed,
             rank=fabric.global_rank, world_size=fabric.world_size, drop_last=True,
         )
         val_sampler = EpochBatchSampler(
@@ -206,7 +204,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             use_distributed_sampler=False,
             move_to_device=False,  # the loop moves the two tensors itself; the counts stay plain ints
         )
-        total_steps = planned_steps(recipe, len(train_sampler) * (recipe.grad_accum if recipe.data.pack_steps else 1))
+        micro_batches_per_epoch = len(train_sampler) * recipe.loader_batch_size // recipe.train.micro_batch_size
+        total_steps = planned_steps(recipe, micro_batches_per_epoch)
         scheduler = build_scheduler(recipe, optimizer, total_steps)
 
     device_name = torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else "cpu"
@@ -240,9 +239,9 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     profiler.start_snapshot()
     try:
         if graphed:  # warm-up and capture run the largest micro-batch: inside the try, so running out of memory is exit 4
-            train_collate = collate_function(data.pad_id, recipe.data.packing, True, samples_per_item)
-            micro_step.prepare(largest_batches(data.train.lengths, samples_per_item, train_collate, data.pad_id,
-                                               step_capacity))
+            train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.loader_batch_size)
+            micro_step.prepare(largest_batches(data.train.lengths, recipe.loader_batch_size, train_collate,
+                                               data.pad_id, step_capacity))
         if recipe.eval.initial:
             with phases("eval"):
                 losses["val_initial"] = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
@@ -712,7 +711,7 @@ def worst_case_tokens(recipe: Recipe, lengths: torch.Tensor) -> int:
     as far as they fill micro_batch_size x max_seq_length positions."""
     from litft.data import PACK_MULTIPLE
 
-    b = min(recipe.train.micro_batch_size * (recipe.grad_accum if recipe.data.pack_steps else 1), len(lengths))
+    b = min(recipe.loader_batch_size, len(lengths))
     longest = torch.sort(lengths, descending=True).values[:b]
     if recipe.data.pack_steps:
         return int(-(-min(int(longest.sum()), recipe.step_capacity) // PACK_MULTIPLE) * PACK_MULTIPLE)

@@ -335,6 +335,12 @@ class Recipe:
         )
 
     @property
+    def loader_batch_size(self) -> int:
+        """Samples per item of the training loader: micro_batch_size, or with data.pack_steps a whole step's samples
+        per device (micro_batch_size x grad_accum), which the collate packs into micro-batches."""
+        return self.train.micro_batch_size * (self.grad_accum if self.data.pack_steps else 1)
+
+    @property
     def step_capacity(self) -> int:
         """Positions per micro-batch under data.pack_steps: the same bound as micro_batch_size samples at most
         max_seq_length long, so the same peak activation memory."""
