@@ -272,6 +272,11 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         if writer is not None:
             writer.close()
         clock.resolve()
+        # Token, sample and FLOP counts summed over the ranks (one all-reduce, on the device: NCCL needs CUDA
+        # tensors), only when every rank got here: a rank that failed would leave the others waiting on it
+        rank_sum = None
+        if status == "ok" and fabric.world_size > 1:
+            rank_sum = lambda t: fabric.all_reduce(t.to(fabric.device), reduce_op="sum").cpu()  # noqa: E731
         # The prediction to hold the measurement against: the same ledger, sized for the largest micro-batch this
         # run held in memory: the largest it formed (a short run rarely meets the data's worst case, which stays in
         # the result too), or, with CUDA graphs, the largest captured shape if larger: prepare() captures the data's
@@ -283,8 +288,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         if predicted is not None and held_tokens:
             seen = predict_memory(recipe, config, held_tokens, compiled)
         result = build_result(
-            recipe, fabric, status, config, counts, data, state, losses, throughput.summary(clock.durations), phases,
-            out_dir, len(train_sampler), seen or predicted, gpu, worst_case=predicted,
+            recipe, fabric, status, config, counts, data, state, losses, throughput.summary(clock.durations, rank_sum),
+            phases, out_dir, len(train_sampler), seen or predicted, gpu, worst_case=predicted,
         )
         result["cuda_graphs"] = micro_step.stats()
         if is_main:

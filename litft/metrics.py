@@ -157,27 +157,36 @@ class Throughput:
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
 
-    def summary(self, durations: dict[int, float]) -> dict[str, Any]:
+    def summary(self, durations: dict[int, float], rank_sum=None) -> dict[str, Any]:
+        """`rank_sum`: sums a tensor over the ranks (an all-reduce), so that token, sample and FLOP counts are the
+        totals of all ranks; without it (one device, or a failed run that must not wait on a collective) they are
+        this rank's x world size."""
+        columns = ("tokens_real", "tokens_padded", "samples", "loss_tokens", "flops")
+        counts = torch.tensor([[float(getattr(r, c)) for c in columns] for r in self.records],
+                              dtype=torch.float64).reshape(-1, len(columns))
+        w = self.world_size
+        counts = rank_sum(counts) if rank_sum is not None and w > 1 else counts * w
+        totals = {r.step: dict(zip(columns, row)) for r, row in zip(self.records, counts.tolist())}
         timed = [r for r in self.records if r.step in durations]
         steady = [r for r in timed if r.step > self.skip_steps]
         is_steady = bool(steady)
         if not steady:  # a very short run: report what there is, and say so
             steady = timed
         seconds = sum(durations[r.step] for r in steady)
-        w = self.world_size
-        # Each rank saw its own share; ranks run in lockstep, so totals are the per-rank sums x world size.
-        real = sum(r.tokens_real for r in steady) * w
-        padded = sum(r.tokens_padded for r in steady) * w
-        samples = sum(r.samples for r in steady) * w
-        flops = sum(r.flops for r in steady) * w
+
+        def total(column: str, records) -> float:
+            return sum(totals[r.step][column] for r in records)
+
+        real, padded = total("tokens_real", steady), total("tokens_padded", steady)
+        samples, flops = total("samples", steady), total("flops", steady)
         out: dict[str, Any] = {
             "steady_state": is_steady,
             "steps_measured": len(steady),
             "steps_skipped": len(timed) - len(steady),
             "train_time_s": seconds,
-            "tokens_real": sum(r.tokens_real for r in self.records) * w,
-            "tokens_padded": sum(r.tokens_padded for r in self.records) * w,
-            "loss_tokens": sum(r.loss_tokens for r in self.records) * w,
+            "tokens_real": int(total("tokens_real", self.records)),
+            "tokens_padded": int(total("tokens_padded", self.records)),
+            "loss_tokens": int(total("loss_tokens", self.records)),
             "padding_fraction": 1 - real / padded if padded else 0.0,
             "tokens_per_sec": real / seconds if seconds else None,
             "tokens_per_sec_per_device": real / seconds / w if seconds else None,
