@@ -48,7 +48,8 @@ class RunResult:
     out_dir: Path
     result: dict
     model: torch.nn.Module | None = None
-    """The trained model (LitGPT GPT, on its device) when the run ran in this process; None for spawned ranks."""
+    """The trained model (LitGPT GPT, on its device) when the run ran in this process; None when Fabric spawned the
+    ranks (several devices started from Python): load out_dir/final instead."""
 
     @property
     def status(self) -> str:
@@ -296,7 +297,12 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
         print_summary(result)
-    return RunResult(out_dir=out_dir, result=result, model=unwrap(model))
+    # Ranks spawned from Python (ddp_spawn, e.g. in a notebook) send their return value back through a pickle: the
+    # figures go back, the model stays (its weights are in out_dir/final; LoRA layers do not pickle)
+    from litft.strategy import LAUNCHED_FROM_CLI
+
+    spawned = fabric.world_size > 1 and not LAUNCHED_FROM_CLI
+    return RunResult(out_dir=out_dir, result=result, model=None if spawned else unwrap(model))
 
 
 def unwrap(model) -> torch.nn.Module:

@@ -32,3 +32,19 @@ def test_two_ranks_train_like_one_device_accumulating(tmp_path, pack_steps):
     # real tokens are summed over both ranks: the same samples as the single device
     single = json.loads((tmp_path / "one" / "result.json").read_text())
     assert result["throughput"]["tokens_real"] == single["throughput"]["tokens_real"]
+
+
+def test_two_ranks_spawned_from_python_return_the_figures(tmp_path):
+    """From Python (a notebook) Fabric spawns the ranks; rank 0's figures come back, the model stays on disk."""
+    import litft
+
+    recipe = litft.load_recipe(
+        "demo", devices=2, accelerator="cpu", out_dir=str(tmp_path / "run"),
+        train={"micro_batch_size": 8, "global_batch_size": 16, "max_steps": 3},
+        eval={"initial": False, "interval": 0}, logging={"progress": "none", "tensorboard": False},
+        data={"num_workers": 0},
+    )
+    run = litft.finetune(recipe)
+    assert run.status == "ok" and run.result["steps"] == 3 and run.result["batch"]["devices"] == 2
+    assert run.model is None and (run.out_dir / "final").is_dir()
+    assert run.result["throughput"]["tokens_real"] > 0
