@@ -101,11 +101,23 @@ def cmd_finetune(args: list[str]) -> int:
         print(recipe_to_yaml(load_recipe(config, args=args, validate_paths=False)), end="")
         return 0
     recipe = load_recipe(config, args=args)
-    strategy.LAUNCHED_FROM_CLI = True
     from litft.finetune import finetune
 
-    result = finetune(recipe, overwrite=overwrite, resume=resume)
+    # Fabric starts the other ranks by running this process's command line again: right when that command is
+    # `litft ...`, wrong when cmd_finetune is called inside another program (a test runner, a notebook), whose
+    # command line would then run again; there the ranks are spawned
+    strategy.LAUNCHED_FROM_CLI = _process_is_the_litft_command()
+    try:
+        result = finetune(recipe, overwrite=overwrite, resume=resume)
+    finally:
+        strategy.LAUNCHED_FROM_CLI = False
     return 0 if result.status == "ok" else 1
+
+
+def _process_is_the_litft_command() -> bool:
+    """True when this process was started as `litft` (the console script) or `python -m litft.cli`."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return (spec is not None and spec.name == "litft.cli") or Path(sys.argv[0]).name == "litft"
 
 
 def cmd_estimate(args: list[str]) -> int:

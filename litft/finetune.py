@@ -77,10 +77,29 @@ def finetune(recipe: Recipe, overwrite: bool = False, resume: str | None = None)
     if resume is None:
         check_out_dir(out_dir, overwrite)
     fabric = build_fabric(recipe)
+    from litft.strategy import LAUNCHED_FROM_CLI
+
+    if fabric.world_size > 1 and not LAUNCHED_FROM_CLI:
+        # Ranks spawned from Python: their exceptions would reach this process only as traceback text, so each
+        # rank hands its litft error back as its return value, and it is raised here with its exit code
+        outcome = fabric.launch(spawned_rank, recipe, resume)
+        if isinstance(outcome, LitftError):
+            raise outcome
+        return outcome
     try:
         return fabric.launch(main, recipe, resume)
     except torch.OutOfMemoryError as err:  # before the loop's own handler: loading or sharding the model
         raise out_of_memory(recipe, fabric, err) from None
+
+
+def spawned_rank(fabric, recipe: Recipe, resume: str | None) -> RunResult | LitftError:
+    """main() in a rank Fabric spawned: a litft error (or running out of memory) is returned, not raised."""
+    try:
+        return main(fabric, recipe, resume)
+    except LitftError as err:
+        return err
+    except torch.OutOfMemoryError as err:
+        return out_of_memory(recipe, fabric, err)
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -301,7 +320,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     # figures go back, the model stays (its weights are in out_dir/final; LoRA layers do not pickle)
     from litft.strategy import LAUNCHED_FROM_CLI
 
-    spawned = fabric.world_size > 1 and not LAUNCHED_FROM_CLI
+    spawned = fabric.world_size > 1 and not LAUNCHED_FROM_CLI  # the same test as finetune()'s
     return RunResult(out_dir=out_dir, result=result, model=None if spawned else unwrap(model))
 
 

@@ -48,3 +48,33 @@ def test_two_ranks_spawned_from_python_return_the_figures(tmp_path):
     assert run.status == "ok" and run.result["steps"] == 3 and run.result["batch"]["devices"] == 2
     assert run.model is None and (run.out_dir / "final").is_dir()
     assert run.result["throughput"]["tokens_real"] > 0
+
+
+def test_a_data_error_in_spawned_ranks_reaches_the_caller_with_its_exit_code(tmp_path):
+    import litft
+    from litft.errors import DataError
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')
+    recipe = litft.load_recipe(
+        "demo", devices=2, accelerator="cpu", out_dir=str(tmp_path / "run"),
+        train={"micro_batch_size": 8, "global_batch_size": 16, "max_steps": 3},
+        data={"path": str(data), "num_workers": 0}, logging={"progress": "none"},
+    )
+    with pytest.raises(DataError) as info:
+        litft.finetune(recipe)
+    assert info.value.exit_code == 5 and "bad.jsonl" in str(info.value) and "line 2" in str(info.value)
+
+
+def test_the_cli_called_inside_another_program_spawns_its_ranks(tmp_path):
+    """cli.main() inside a test runner (or a notebook) must not have Fabric re-run that program's command line as
+    the other ranks: it spawns them, as finetune() from Python does."""
+    from litft import strategy
+    from litft.cli import main
+
+    code = main(["finetune", "--config", "demo", "--accelerator", "cpu", "--devices", "2",
+                 "--train.micro_batch_size", "8", "--train.global_batch_size", "16", "--train.max_steps", "2",
+                 "--eval.initial", "false", "--eval.interval", "0", "--logging.progress", "none",
+                 "--data.num_workers", "0", "--out_dir", str(tmp_path / "run")])
+    assert code == 0 and not strategy.LAUNCHED_FROM_CLI
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["batch"]["devices"] == 2
