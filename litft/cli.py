@@ -22,6 +22,8 @@ commands:
                                               predicted GPU memory, part by part, and what would fit
   finetune --config NAME|PATH [--key value ...] [--overwrite] [--resume auto|CHECKPOINT]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
+  sweep --config NAME|PATH --grid KEY=V1,V2 [--grid ...] [--out DIR] [--timeout S] [--key value ...]
+                                              every combination as its own run; out of memory is a row
   env                                         versions, GPUs and what litft can use on this machine
   compare PATH... [--format md|csv|json] [--fields f1,f2] [--by KEY] [--sort [-]KEY] [--plot DIR]
                                               a table (and charts) of runs: run dirs or sweep/bench dirs
@@ -326,8 +328,33 @@ def cmd_compare(args: list[str]) -> int:
     return report.compare(args, fmt=fmt, fields=fields, by=by, plot_dir=plot_dir, sort=sort)
 
 
+def cmd_sweep(args: list[str]) -> int:
+    """One recipe over a grid of settings, each run in its own process (litft.sweep)."""
+    from litft import sweep
+
+    if "-h" in args or "--help" in args:
+        print(sweep.__doc__)
+        return 0
+    config = _take_option(args, "--config")
+    out = _take_option(args, "--out")
+    timeout = _take_option(args, "--timeout")
+    specs = []
+    while (spec := _take_option(args, "--grid")) is not None:
+        specs.append(spec)
+    if config is None:
+        raise ConfigError("sweep needs --config NAME|PATH and at least one --grid KEY=V1,V2,...; litft sweep --help")
+    grid = sweep.parse_grid(specs)
+    try:
+        seconds = float(timeout) if timeout is not None else None
+    except ValueError:
+        raise ConfigError(f"--timeout: expected seconds, got '{timeout}'") from None
+    out = out or f"out/sweep-{Path(config).stem}"
+    return sweep.run_sweep(config, grid, out, common=args, timeout=seconds)
+
+
 COMMANDS = {
     "finetune": cmd_finetune,
+    "sweep": cmd_sweep,
     "validate": cmd_validate,
     "estimate": cmd_estimate,
     "ls": cmd_ls,

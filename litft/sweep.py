@@ -1,0 +1,149 @@
+"""`litft sweep`: one recipe over a grid of settings, each run in its own process, one table at the end.
+
+    litft sweep --config tiny-llama-lora --grid train.micro_batch_size=1,2,4,8 --grid precision=bf16-true,bf16-mixed \\
+        --out out/sweep-batch --train.max_steps 30 --init random --model.tokenizer_dir litft:demo/model
+
+Every combination of the grid's values (here 4 x 2 = 8 runs) is a `litft finetune` of the recipe with the common
+overrides, the combination's values and out_dir OUT/runs/NAME, run in its own process with its output in
+OUT/runs/NAME/log.txt. So a run that runs out of memory (exit 4) or fails otherwise is a row of the table, not the
+end of the sweep, and one run's GPU memory cannot linger into the next. All combinations are checked before the
+first one runs (every problem at once, exit 2). After each run OUT/sweep.md and OUT/sweep.csv are rewritten
+(`litft compare OUT` gives the same table, with --fields/--plot). The sweep exits 0 when every run finished or ran
+out of memory (a result: the setting does not fit), 1 when a run failed for another reason.
+
+A value holding commas goes in brackets: `--grid optimizer.betas=[0.9,0.95],[0.9,0.999]`.
+
+From Python: ``litft.sweep.run_sweep("tiny-llama-lora", {"train.micro_batch_size": [1, 2, 4]}, "out/sweep")``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from litft.errors import ConfigError
+
+OUT_OF_MEMORY_EXIT = 4  # litft finetune's exit code for out of memory: a result in a sweep
+
+
+def split_values(text: str) -> list[str]:
+    """'1,2,[0.9,0.95]' -> ['1', '2', '[0.9,0.95]']: commas inside brackets or braces do not separate."""
+    values, depth, current = [], 0, ""
+    for char in text:
+        depth += char in "[{"
+        depth -= char in "]}"
+        if char == "," and depth == 0:
+            values.append(current.strip())
+            current = ""
+        else:
+            current += char
+    values.append(current.strip())
+    return values
+
+
+def parse_grid(specs: list[str]) -> dict[str, list[str]]:
+    """['train.micro_batch_size=1,2', 'precision=bf16-true'] -> {'train.micro_batch_size': ['1', '2'], ...}."""
+    grid: dict[str, list[str]] = {}
+    for spec in specs:
+        key, eq, values = spec.partition("=")
+        key = key.strip().removeprefix("--")
+        parts = split_values(values) if eq else []
+        if not key or not parts or any(not part for part in parts):
+            raise ConfigError(f"--grid '{spec}': expected KEY=V1,V2,... e.g. --grid train.micro_batch_size=1,2,4")
+        if key in grid:
+            raise ConfigError(f"--grid: '{key}' is given twice; list all its values in one --grid {key}=...")
+        grid[key] = parts
+    if not grid:
+        raise ConfigError("sweep needs at least one --grid KEY=V1,V2,... (e.g. --grid train.micro_batch_size=1,2,4)")
+    return grid
+
+
+def combinations(grid: dict[str, list[Any]]) -> list[list[tuple[str, str]]]:
+    """Every combination of the grid's values, the first key varying slowest."""
+    keys = list(grid)
+    return [list(zip(keys, (str(v) for v in values))) for values in itertools.product(*grid.values())]
+
+
+def run_name(combination: list[tuple[str, str]]) -> str:
+    """[('train.micro_batch_size', '4'), ('precision', 'bf16-true')] -> 'micro_batch_size-4_precision-bf16-true'."""
+    name = "_".join(f"{key.rpartition('.')[2]}-{value}" for key, value in combination)
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", name).strip("-") or "run"
+
+
+def overrides_of(combination: list[tuple[str, str]]) -> list[str]:
+    return [token for key, value in combination for token in (f"--{key}", value)]
+
+
+def check(config: str, common: list[str], runs: list[tuple[str, list[tuple[str, str]]]]) -> None:
+    """Load and validate every combination before anything runs: all problems at once, named by run."""
+    from litft.recipe import load_recipe, validate
+
+    problems: list[str] = []
+    for name, combination in runs:
+        try:
+            recipe = load_recipe(config, args=common + overrides_of(combination))
+        except ConfigError as err:
+            problems += [f"{name}: {problem}" for problem in err.problems]
+            continue
+        problems += [f"{name}: {problem}" for problem in validate(recipe)]
+    if problems:
+        raise ConfigError(problems, source=f"sweep of {config}")
+
+
+def run_sweep(
+    config: str, grid: dict[str, list[Any]], out: str | Path, common: list[str] | None = None,
+    timeout: float | None = None, say=print,
+) -> int:
+    """Run every combination (see the module docstring); return the sweep's exit code."""
+    from litft import report
+
+    common = list(common or [])
+    if any(token in ("--out_dir", "--resume") or token.startswith(("--out_dir=", "--resume=")) for token in common):
+        raise ConfigError("sweep: out_dir and resume are set per run (OUT/runs/NAME); leave them out")
+    out = Path(out)
+    runs = [(run_name(combination), combination) for combination in combinations(grid)]
+    if len({name for name, _ in runs}) != len(runs):
+        raise ConfigError("sweep: two combinations give the same run name; make the grid values distinct")
+    check(config, common, runs)
+
+    failed: list[str] = []
+    for index, (name, combination) in enumerate(runs, 1):
+        run_dir = out / "runs" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "litft.cli", "finetune", "--config", config, *common,
+                   *overrides_of(combination), "--out_dir", str(run_dir), "--overwrite",
+                   "--logging.progress", "plain"]
+        say(f"[{index}/{len(runs)}] {name}: {' '.join(command[3:])}")
+        start = time.perf_counter()
+        with open(run_dir / "log.txt", "w", encoding="utf-8") as log:
+            try:
+                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+                log.write(f"\nlitft sweep: timeout: the run took more than {timeout:.0f} s and was stopped\n")
+        seconds = time.perf_counter() - start
+        what = {0: "ok", OUT_OF_MEMORY_EXIT: "out of memory (a result)", None: "timed out"}.get(code, f"exit {code}")
+        say(f"[{index}/{len(runs)}] {name}: {what} in {seconds:.0f} s")
+        if code not in (0, OUT_OF_MEMORY_EXIT):
+            failed.append(name)
+        write_tables(out, report)
+
+    say("")
+    with open(out / "sweep.md", encoding="utf-8") as table:
+        say(table.read().rstrip())
+    if failed:
+        say(f"\n{len(failed)} run(s) failed (not out of memory): {', '.join(failed)}; see their log.txt")
+        return 1
+    return 0
+
+
+def write_tables(out: Path, report) -> None:
+    """OUT/sweep.md and OUT/sweep.csv from every run so far (the same as `litft compare OUT`)."""
+    runs = report.load_runs([out])
+    (out / "sweep.md").write_text(report.table(runs, None, "md") + "\n", encoding="utf-8")
+    (out / "sweep.csv").write_text(report.table(runs, None, "csv"), encoding="utf-8")
