@@ -136,6 +136,7 @@ def run_sweep(
     say("")
     with open(out / "sweep.md", encoding="utf-8") as table:
         say(table.read().rstrip())
+    say(f"\ncharts and other fields: litft compare {out} --plot {out / 'plots'} --fields ...")
     if failed:
         say(f"\n{len(failed)} run(s) failed (not out of memory): {', '.join(failed)}; see their log.txt")
         return 1
