@@ -567,6 +567,8 @@ def litft_row(run: Run, code: int, config, lengths: list[int], peak) -> dict:
         padded_tok_s=t["tokens_padded"] / epoch, reported_tok_s=t["tokens_per_sec"],
         peak_allocated_gib=m["peak_allocated_gib"], peak_reserved_gib=m["peak_reserved_gib"],
         mfu=done["flops"] / epoch / peak if peak else None,
+        predicted_reserved_gib=(m.get("predicted") or {}).get("total_gib"), ledger_error_pct=m.get("error_pct"),
+        predicted_for_tokens=m.get("predicted_for_tokens"),
         litft={"steady_state_tokens_per_sec": t["tokens_per_sec"], "steady_state_mfu": t["mfu"],
                "median_step_time_s": t["median_step_time_s"], "phases_s": result["phases_s"],
                "compile": result.get("compile"), "recipe": result["recipe"]},
@@ -671,11 +673,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ledger_lines(rows: list[dict]) -> list[str]:
+    """litft's predicted peak reserved memory (its ledger, written by each run) against the measured peak (issue 3)."""
+    mine = [r for r in rows if r["tool"] == "litft" and r["status"] == "ok" and r.get("predicted_reserved_gib")
+            and r.get("peak_reserved_gib") is not None]  # no device memory on the CPU
+    if not mine:
+        return []
+    lines = ["## litft's memory ledger", "",
+             "| run | measured peak reserved GiB | predicted GiB | sized for positions | error |", "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['peak_reserved_gib']:.2f} | {r['predicted_reserved_gib']:.2f} |"
+              f" {fmt(r.get('predicted_for_tokens'), ',')} | {fmt(r.get('ledger_error_pct'), '+.1f')}% |" for r in mine]
+    return lines + [""]
+
+
 def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: list[Run], rows: list[dict]) -> str:
     md = ["# litft vs LitGPT", "", f"Command: `{invocation}`", "", "Environment (litft.metrics.environment()):", ""]
     md += [f"- {key}: {value}" for key, value in env.items()]
     md += ["", "Set-up:", ""] + [f"- {line}" for line in setup]
     md += ["", table(rows), "", "(!) marks a run whose replayed counts differ from the tool's own (see Checks).", ""]
+    md += ledger_lines(rows)
     md += ["## Definitions", "", DEFINITIONS, "", DIFFERENCES, "", "## Checks", ""]
     md += [f"- {r['name']}: {check}" for r in rows for check in r["checks"]]
     md += ["", "## Commands", "", "Each run in its own process; its log is DIR/runs/NAME/log.txt.", ""]
