@@ -11,7 +11,8 @@ first one runs (every problem at once, exit 2). After each run OUT/sweep.md and 
 (`litft compare OUT` gives the same table, with --fields/--plot). The sweep exits 0 when every run finished or ran
 out of memory (a result: the setting does not fit), 1 when a run failed for another reason.
 
-A value holding commas goes in brackets: `--grid optimizer.betas=[0.9,0.95],[0.9,0.999]`.
+A value holding commas goes in brackets: `--grid optimizer.betas=[0.9,0.95],[0.9,0.999]`. `--dry-run` checks every
+combination and prints the commands without running them.
 
 From Python: ``litft.sweep.run_sweep("tiny-llama-lora", {"train.micro_batch_size": [1, 2, 4]}, "out/sweep")``.
 """
@@ -97,9 +98,10 @@ def check(config: str, common: list[str], runs: list[tuple[str, list[tuple[str, 
 
 def run_sweep(
     config: str, grid: dict[str, list[Any]], out: str | Path, common: list[str] | None = None,
-    timeout: float | None = None, say=print,
+    timeout: float | None = None, say=print, dry_run: bool = False,
 ) -> int:
-    """Run every combination (see the module docstring); return the sweep's exit code."""
+    """Run every combination (see the module docstring); return the sweep's exit code. `dry_run`: check every
+    combination and print the commands, run nothing."""
     from litft import report
 
     common = list(common or [])
@@ -110,6 +112,13 @@ def run_sweep(
     if len({name for name, _ in runs}) != len(runs):
         raise ConfigError("sweep: two combinations give the same run name; make the grid values distinct")
     check(config, common, runs)
+    if dry_run:
+        for index, (name, combination) in enumerate(runs, 1):
+            command = ["litft", "finetune", "--config", config, *common, *overrides_of(combination),
+                       "--out_dir", str(out / "runs" / name)]
+            say(f"[{index}/{len(runs)}] {name}: {' '.join(command)}")
+        say(f"{len(runs)} run(s) checked; --dry-run: nothing ran")
+        return 0
 
     failed: list[str] = []
     for index, (name, combination) in enumerate(runs, 1):

@@ -35,6 +35,16 @@ def test_every_combination_is_checked_before_any_runs(tmp_path):
     assert code == 2 and not (tmp_path / "sweep").exists()
 
 
+def test_a_dry_run_checks_and_prints_every_command(tmp_path, capsys):
+    from litft.cli import main
+
+    code = main(["sweep", "--config", "demo", "--grid", "train.micro_batch_size=8,16", "--dry-run",
+                 "--out", str(tmp_path / "sweep"), *COMMON])
+    out = capsys.readouterr().out
+    assert code == 0 and "2 run(s) checked" in out and not (tmp_path / "sweep").exists()
+    assert "--train.micro_batch_size 16 --out_dir" in out
+
+
 def test_a_failed_run_is_a_row_and_the_sweep_goes_on(tmp_path, capsys):
     from litft.cli import main
 
