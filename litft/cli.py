@@ -22,7 +22,8 @@ commands:
                                               predicted GPU memory, part by part, and what would fit
   finetune --config NAME|PATH [--key value ...] [--overwrite] [--resume auto|CHECKPOINT]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
-  sweep --config NAME|PATH --grid KEY=V1,V2 [--grid ...] [--out DIR] [--timeout S] [--dry-run] [--key value ...]
+  sweep --config NAME|PATH --grid KEY=V1,V2 [--grid ...] [--out DIR] [--repeat N] [--timeout S] [--dry-run]
+        [--key value ...]
                                               every combination as its own run; out of memory is a row
   env                                         versions, GPUs and what litft can use on this machine
   compare PATH... [--format md|csv|json] [--fields f1,f2] [--by KEY] [--sort [-]KEY] [--plot DIR]
@@ -339,6 +340,7 @@ def cmd_sweep(args: list[str]) -> int:
     out = _take_option(args, "--out")
     timeout = _take_option(args, "--timeout")
     dry_run = _take_flag(args, "--dry-run")
+    repeat = _take_option(args, "--repeat")
     specs = []
     while (spec := _take_option(args, "--grid")) is not None:
         specs.append(spec)
@@ -349,8 +351,11 @@ def cmd_sweep(args: list[str]) -> int:
         seconds = float(timeout) if timeout is not None else None
     except ValueError:
         raise ConfigError(f"--timeout: expected seconds, got '{timeout}'") from None
+    if repeat is not None and not repeat.isdigit():
+        raise ConfigError(f"--repeat: expected a number of runs per combination, got '{repeat}'")
     out = out or f"out/sweep-{Path(config).stem}"
-    return sweep.run_sweep(config, grid, out, common=args, timeout=seconds, dry_run=dry_run)
+    return sweep.run_sweep(config, grid, out, common=args, timeout=seconds, dry_run=dry_run,
+                           repeat=int(repeat) if repeat else 1)
 
 
 COMMANDS = {

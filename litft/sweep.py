@@ -12,7 +12,8 @@ first one runs (every problem at once, exit 2). After each run OUT/sweep.md and 
 out of memory (a result: the setting does not fit), 1 when a run failed for another reason.
 
 A value holding commas goes in brackets: `--grid optimizer.betas=[0.9,0.95],[0.9,0.999]`. `--dry-run` checks every
-combination and prints the commands without running them.
+combination and prints the commands without running them. `--repeat 3` runs each combination three times and adds
+the spread of its tok/s and step time (mean, standard deviation, min-max) to the table.
 
 From Python: ``litft.sweep.run_sweep("tiny-llama-lora", {"train.micro_batch_size": [1, 2, 4]}, "out/sweep")``.
 """
@@ -20,7 +21,9 @@ From Python: ``litft.sweep.run_sweep("tiny-llama-lora", {"train.micro_batch_size
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -98,10 +101,11 @@ def check(config: str, common: list[str], runs: list[tuple[str, list[tuple[str, 
 
 def run_sweep(
     config: str, grid: dict[str, list[Any]], out: str | Path, common: list[str] | None = None,
-    timeout: float | None = None, say=print, dry_run: bool = False,
+    timeout: float | None = None, say=print, dry_run: bool = False, repeat: int = 1,
 ) -> int:
     """Run every combination (see the module docstring); return the sweep's exit code. `dry_run`: check every
-    combination and print the commands, run nothing."""
+    combination and print the commands, run nothing. `repeat`: run each combination that many times (NAME_rep1,
+    ...) and add each combination's spread of tok/s and step time to the table."""
     from litft import report
 
     common = list(common or [])
@@ -112,6 +116,10 @@ def run_sweep(
     if len({name for name, _ in runs}) != len(runs):
         raise ConfigError("sweep: two combinations give the same run name; make the grid values distinct")
     check(config, common, runs)
+    if repeat < 1:
+        raise ConfigError(f"--repeat: expected 1 or more runs per combination, got {repeat}")
+    groups = {name: [f"{name}_rep{r}" for r in range(1, repeat + 1)] if repeat > 1 else [name] for name, _ in runs}
+    runs = [(run, combination) for name, combination in runs for run in groups[name]]
     if dry_run:
         for index, (name, combination) in enumerate(runs, 1):
             command = ["litft", "finetune", "--config", config, *common, *overrides_of(combination),
@@ -140,7 +148,7 @@ def run_sweep(
         say(f"[{index}/{len(runs)}] {name}: {what} in {seconds:.0f} s")
         if code not in (0, OUT_OF_MEMORY_EXIT):
             failed.append(name)
-        write_tables(out, report)
+        write_tables(out, report, groups if repeat > 1 else None)
 
     say("")
     with open(out / "sweep.md", encoding="utf-8") as table:
@@ -152,8 +160,38 @@ def run_sweep(
     return 0
 
 
-def write_tables(out: Path, report) -> None:
-    """OUT/sweep.md and OUT/sweep.csv from every run so far (the same as `litft compare OUT`)."""
+def write_tables(out: Path, report, groups: dict[str, list[str]] | None = None) -> None:
+    """OUT/sweep.md and OUT/sweep.csv from every run so far (the same as `litft compare OUT`), and with repeats the
+    spread of each combination."""
     runs = report.load_runs([out])
-    (out / "sweep.md").write_text(report.table(runs, None, "md") + "\n", encoding="utf-8")
+    text = report.table(runs, None, "md") + "\n"
+    if groups:
+        text += "\n" + "\n".join(spread_lines(out, groups)) + "\n"
+    (out / "sweep.md").write_text(text, encoding="utf-8")
     (out / "sweep.csv").write_text(report.table(runs, None, "csv"), encoding="utf-8")
+
+
+def spread_lines(out: Path, groups: dict[str, list[str]]) -> list[str]:
+    """One row per combination: steady-state tok/s and median step time over its finished repeats, as mean, sample
+    standard deviation, and min-max: how far one run's figure can be trusted."""
+    lines = ["## Repeats", "", "| combination | runs ok | tok/s mean | tok/s sd | tok/s min-max | step ms mean |"
+             " step ms sd |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, members in groups.items():
+        results = []
+        for member in members:
+            path = out / "runs" / member / "result.json"
+            if path.is_file():
+                result = json.loads(path.read_text(encoding="utf-8"))
+                if result.get("status") == "ok" and result["throughput"].get("tokens_per_sec"):
+                    results.append(result["throughput"])
+        rates = [t["tokens_per_sec"] for t in results]
+        steps = [t["median_step_time_s"] * 1000 for t in results if t.get("median_step_time_s")]
+        if not rates:
+            lines.append(f"| {name} | 0 of {len(members)} | | | | | |")
+            continue
+        sd = statistics.stdev(rates) if len(rates) > 1 else float("nan")
+        step_sd = statistics.stdev(steps) if len(steps) > 1 else float("nan")
+        lines.append(f"| {name} | {len(rates)} of {len(members)} | {statistics.mean(rates):,.0f} | {sd:,.0f} |"
+                     f" {min(rates):,.0f}-{max(rates):,.0f} | {statistics.mean(steps) if steps else float('nan'):.1f} |"
+                     f" {step_sd:.1f} |")
+    return lines

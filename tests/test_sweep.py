@@ -61,3 +61,18 @@ def test_a_failed_run_is_a_row_and_the_sweep_goes_on(tmp_path, capsys):
     good = next(p for p in (out / "runs").iterdir() if "instructions" in p.name)
     assert json.loads((good / "result.json").read_text())["steps"] == 2
     assert (out / "sweep.csv").read_text().splitlines()[0].startswith("run,status")
+
+
+def test_repeats_add_the_spread_of_each_combination(tmp_path):
+    from litft.cli import main
+
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--config", "demo", "--grid", "train.micro_batch_size=16", "--repeat", "2",
+                 "--out", str(out), *COMMON, "--train.max_steps", "4", "--logging.skip_steps", "1"])
+    assert code == 0
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["micro_batch_size-16_rep1", "micro_batch_size-16_rep2"]
+    rates = [json.loads((out / "runs" / f"micro_batch_size-16_rep{r}" / "result.json").read_text())["throughput"]
+             ["tokens_per_sec"] for r in (1, 2)]
+    row = next(line for line in (out / "sweep.md").read_text().splitlines() if line.startswith("| micro_batch_size-16 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2 of 2" and cells[2] == f"{sum(rates) / 2:,.0f}"
