@@ -93,9 +93,11 @@ def finetune(recipe: Recipe, overwrite: bool = False, resume: str | None = None)
 
 
 def spawned_rank(fabric, recipe: Recipe, resume: str | None) -> RunResult | LitftError:
-    """main() in a rank Fabric spawned: a litft error (or running out of memory) is returned, not raised."""
+    """main() in a rank Fabric spawned: a litft error (or running out of memory) is returned, not raised. What it
+    returns goes back through a pickle: the figures go back, the model stays (its weights are in out_dir/final; LoRA
+    layers do not pickle)."""
     try:
-        return main(fabric, recipe, resume)
+        return dataclasses.replace(main(fabric, recipe, resume), model=None)
     except LitftError as err:
         return err
     except torch.OutOfMemoryError as err:
@@ -304,24 +306,20 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         # (Measured on the H100, TinyLlama full bf16-true with packing: 2,816 positions formed in 32 steps, the
         # pool sized for 4,096; the ledger for 2,816 said 16.7 GiB, for 4,096 19.8 GiB, measured 20.3 GiB reserved.)
         seen = None
-        held_tokens = max(state["max_micro_tokens"], micro_step.stats().get("pool_tokens", 0))
+        graph_stats = micro_step.stats()
+        held_tokens = max(state["max_micro_tokens"], graph_stats.get("pool_tokens", 0))
         if predicted is not None and held_tokens:
             seen = predict_memory(recipe, config, held_tokens, compiled)
         result = build_result(
             recipe, fabric, status, config, counts, data, state, losses, throughput.summary(clock.durations, rank_sum),
             phases, out_dir, len(train_sampler), seen or predicted, gpu, worst_case=predicted,
         )
-        result["cuda_graphs"] = micro_step.stats()
+        result["cuda_graphs"] = graph_stats
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
         print_summary(result)
-    # Ranks spawned from Python (ddp_spawn, e.g. in a notebook) send their return value back through a pickle: the
-    # figures go back, the model stays (its weights are in out_dir/final; LoRA layers do not pickle)
-    from litft.strategy import LAUNCHED_FROM_CLI
-
-    spawned = fabric.world_size > 1 and not LAUNCHED_FROM_CLI  # the same test as finetune()'s
-    return RunResult(out_dir=out_dir, result=result, model=None if spawned else unwrap(model))
+    return RunResult(out_dir=out_dir, result=result, model=unwrap(model))
 
 
 def unwrap(model) -> torch.nn.Module:

@@ -39,7 +39,8 @@ DEFINITIONS = {
     "memory": "GiB = 2^30 bytes; torch peak allocated / reserved, max over ranks; device_used = total - free",
     "memory.predicted": "litft's ledger (litft.memory) for this recipe, sized for the largest micro-batch the run"
     " held in memory (predicted_for_tokens: the largest it formed, max_micro_batch_tokens, or with CUDA graphs the"
-    " largest captured shape if larger, cuda_graphs.pool_tokens); error_pct = (predicted reserved - measured peak reserved) / measured x 100;"
+    " largest captured shape if larger, cuda_graphs.pool_tokens);"
+    " error_pct = (predicted reserved - measured peak reserved) / measured x 100;"
     " predicted_worst_case: the same ledger for the largest micro-batch the data could form",
     "gpu": "NVML samples while training: device memory used (all processes) and utilisation (% of time a kernel ran)",
 }
