@@ -449,7 +449,8 @@ def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[b
     'auto': never on the CPU (inductor's C++ compile costs minutes for little gain); always on CUDA without CUDA
     graphs (compiling then also cuts the host's launch overhead). With CUDA graphs the host overhead is gone, and
     compiling only makes the kernels faster: it saves ~35% of a micro-batch's GPU time (TinyLlama LoRA, 1,024
-    tokens: 17.0 vs 26.3 ms, benchmarks/host_overhead.py) and costs ~40-90 s of compiling (benchmarks/README.md).
+    tokens: 17.0 vs 26.3 ms with benchmarks/host_overhead.py in an H100 call whose output was lost, to be measured
+    again by benchmarks' set:ablation-tiny) and costs ~40-90 s of compiling (seen in the same lost calls).
     Eager kernels run at roughly 35% of peak, so the saving is 0.35 x work / (0.35 x peak) = work / peak seconds:
     compile when the planned work at the peak FLOP/s exceeds COMPILE_PAYS_OFF_S. Work = planned tokens x FLOPs per
     token (6 per trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out)."""
