@@ -373,9 +373,14 @@ class CausalLM(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
         self.loss_chunk = loss_chunk
-        # Flash attention's varlen kernel takes the longest segment only to size its grid, so the recipe's bound is
-        # valid for every batch; a per-batch value would make torch.compile recompile for each new length.
-        self.max_seq_length = max_seq_length
+        # Flash attention's varlen kernel sizes its grid by this bound and leaves any position past it in a segment
+        # unwritten (garbage that reaches the weight gradients as inf/nan through the zero-loss padding). It must
+        # cover every segment of every batch: samples (at most max_seq_length) and a packed row's padding tail (under
+        # the row-length multiple, at most GRAPH_MULTIPLE - 1 positions). One fixed value: a per-batch one would make
+        # torch.compile recompile for each new length.
+        from litft.data import GRAPH_MULTIPLE
+
+        self.max_seq_length = max(max_seq_length, GRAPH_MULTIPLE)
 
     def hidden(self, input_ids, positions=None, packed: Packed | None = None) -> torch.Tensor:
         gpt = self.gpt

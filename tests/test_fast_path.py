@@ -79,6 +79,26 @@ def test_fixed_shape_rows_give_the_same_loss_and_gradients(tiny_recipe):
     assert collate(three, pad_id=0, multiple=64)["input_ids"].shape == (3, 64)
 
 
+def test_the_varlen_bound_covers_every_segment_of_a_fixed_shape_row(tiny_recipe):
+    """On the GPU, flash attention's varlen kernel leaves positions past its max-length bound unwritten; a padding
+    tail longer than max_seq_length then put inf into the weight gradients (seen on the H100: max_seq_length 96,
+    data.pack_steps, CUDA graphs: a 512-position row of 364 real tokens has a 148-position tail). The model's bound
+    must cover the longest segment any collate can make, tails included."""
+    from litft.data import GRAPH_MULTIPLE, collate_function
+
+    model = CausalLM(torch.nn.Identity(), loss_chunk=0, max_seq_length=96)
+    seven = _samples([52] * 7)  # 364 positions, padded to 512 under the graphs' row multiple
+    for collate_fn in (collate_function(0, packing=True, fixed_shapes=True, micro_batch_size=16),
+                       collate_function(0, packing=True, fixed_shapes=True, micro_batch_size=16, step_capacity=384),
+                       collate_function(0, packing=True, fixed_shapes=False, micro_batch_size=7)):
+        batches = collate_fn(seven)
+        for batch in batches if isinstance(batches, list) else [batches]:
+            segment_lengths = batch["cu_seqlens"].diff()
+            assert int(segment_lengths.max()) <= model.max_seq_length
+    assert model.max_seq_length == GRAPH_MULTIPLE  # 96 alone would not do: the 148-position tail
+    assert CausalLM(torch.nn.Identity(), loss_chunk=0, max_seq_length=2048).max_seq_length == 2048
+
+
 def test_packing_keeps_samples_apart():
     """Changing one sample must not change the loss terms of another (no attention across samples)."""
     samples = _samples([20, 30])
