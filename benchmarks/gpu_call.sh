@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
-#   steps: env | gpu-tests | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
+#   steps: env | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles
@@ -22,6 +22,8 @@ for step in "$@"; do
   case "$step" in
     env) python3 -m litft.cli env 2>&1 | tee "$OUT/env.txt"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/env.txt" ;;
     gpu-tests) timeout "$left" python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || status=1 ;;
+    gpu-test:*) timeout "$left" python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -k "${step#gpu-test:}" 2>&1 \
+                  | tee "$OUT/gpu-test.txt" | tail -25 || status=1 ;;
     set:*) timeout "$left" python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
            tail -30 "$OUT/${step#set:}.log" ;;
     host:*) timeout "$left" python3 benchmarks/host_overhead.py --recipe "${step#host:}" --out "$OUT/host" \

@@ -79,16 +79,21 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora", "tiny-llama-qlora", GPU + steps(25)),
     ],
     # Issue 5: each speed choice of the defaults switched off alone (40 steps; the first 5 are left out of tok/s).
+    # full-mixed: bf16-mixed's peak reserved memory since the graph warm-up allocates the gradients first (33.01 GiB
+    # before, results/vs-litgpt-tiny-full).
     "ablation-tiny": [
         ("lora", "tiny-llama-lora", GPU + steps(40)),
-        ("lora-no-graphs", "tiny-llama-lora", GPU + steps(40) + ["--train.cuda_graphs", "never"]),
+        ("lora-no-pack-steps", "tiny-llama-lora", GPU + steps(40) + ["--data.pack_steps", "false"]),
         ("lora-no-packing", "tiny-llama-lora", GPU + steps(40) + ["--data.packing", "false"]),
+        ("lora-no-graphs", "tiny-llama-lora", GPU + steps(40) + ["--train.cuda_graphs", "never"]),
         ("lora-loss-unchunked", "tiny-llama-lora", GPU + steps(40) + ["--train.loss_chunk", "0"]),
         ("lora-compiled", "tiny-llama-lora", GPU + steps(40) + ["--train.compile", "always"]),
         ("full", "tiny-llama-full", GPU + steps(40)),
         ("full-unfused-adamw", "tiny-llama-full", GPU + steps(40) + [
             "--optimizer.init_args.foreach", "true"]),  # what torch picks without fused=True
         ("full-no-graphs", "tiny-llama-full", GPU + steps(40) + ["--train.cuda_graphs", "never"]),
+        ("full-compiled", "tiny-llama-full", GPU + steps(40) + ["--train.compile", "always"]),
+        ("full-mixed", "tiny-llama-full", GPU + steps(40) + ["--precision", "bf16-mixed"]),
     ],
     # Issue 5: after the capture fixes (new shapes captured without a plain warm-up; 4-bit layers' compute dtype
     # settled before compiling; the RNG reset after a failed capture).
@@ -100,7 +105,8 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-micro8", "tiny-llama-lora", GPU + steps(25) + ["--train.micro_batch_size", "8"]),
     ],
     # Issue 5: data.pack_steps (micro-batches filled by positions: a TinyLlama step of 16 ~250-position samples in 2
-    # micro-batches of <= 2,048 instead of 4 half-full ones) on and off, same peak memory bound.
+    # micro-batches of <= 2,048 instead of 4 half-full ones) on and off, same peak memory bound. Run at 5eed6f2, when
+    # pack_steps was off by default (it is on since: the "-pack-steps" runs are today's defaults).
     "pack-steps-tiny": [
         ("lora", "tiny-llama-lora", GPU + steps(40)),
         ("lora-pack-steps", "tiny-llama-lora", GPU + steps(40) + ["--data.pack_steps", "true"]),
@@ -109,6 +115,10 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full", "tiny-llama-full", GPU + steps(30)),
         ("full-pack-steps", "tiny-llama-full", GPU + steps(30) + ["--data.pack_steps", "true"]),
         ("7b-lora-pack-steps", "open-llama-7b-lora", GPU + steps(12) + ["--data.pack_steps", "true"]),
+    ],
+    # Issue 3: the 13B LoRA run (AdamW and SGD are in ledger-13b's recorded results).
+    "ledger-13b-lora": [
+        ("open-llama-13b-lora", "open-llama-13b-lora", GPU + steps(6)),
     ],
     # Issue 5: OpenLLaMA-7B LoRA runs 8.5k tok/s steady (12k is the target): ~240 ms per 2,048-position micro-batch
     # where its matmuls need ~100 ms at 650 TFLOP/s. The profile's top ops say where the rest goes.

@@ -206,6 +206,9 @@ _MUST_MATCH = (
     "data.fields", "data.prompt_style", "data.max_seq_length", "data.mask_prompt", "data.packing", "data.pack_steps",
     "train.global_batch_size", "train.micro_batch_size", "devices", "seed", "optimizer.class_path",
 )
+# What a field missing from an older checkpoint meant, where that is not its default now: data.pack_steps was added
+# off (each micro-batch a fixed number of samples) and became the default later.
+_BEFORE_IT_EXISTED = {"data.pack_steps": False}
 # Changing these is allowed; the resumed run says which value wins.
 _WARN = ("train.epochs", "train.max_steps", "train.warmup_steps", "train.lr_schedule", "train.min_lr_ratio",
          "train.max_grad_norm", "optimizer.init_args")
@@ -222,11 +225,12 @@ def resume_differences(saved: dict, recipe: Recipe) -> tuple[list[str], list[str
     now = recipe_to_dict(recipe)
     defaults = recipe_to_dict(Recipe())
 
-    def then(key: str) -> Any:  # a field added after the checkpoint was written had its default then
+    def then(key: str) -> Any:  # a field added after the checkpoint was written: the behaviour before it existed
         section, _, name = key.rpartition(".")
         holder = _get(saved, section) if section else saved
-        missing = isinstance(holder, dict) and name not in holder
-        return _get(defaults, key) if missing else _get(saved, key)
+        if isinstance(holder, dict) and name not in holder:
+            return _BEFORE_IT_EXISTED.get(key, _get(defaults, key))
+        return _get(saved, key)
 
     refuse = [f"{key}: checkpoint {then(key)!r}, now {_get(now, key)!r}"
               for key in _MUST_MATCH if then(key) != _get(now, key)]

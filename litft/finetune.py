@@ -209,7 +209,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
 
         # data.pack_steps: the sampler hands out a step's samples at once (the same samples per step, in the same
         # order, as grad_accum micro-batches of micro_batch_size) and the collate fills micro-batches from them
-        step_capacity = recipe.step_capacity if recipe.data.pack_steps else None
+        step_capacity = recipe.step_capacity if recipe.packs_steps else None
         train_sampler = EpochBatchSampler(
             len(data.train), recipe.loader_batch_size, shuffle=True, seed=recipe.seed,
             rank=fabric.global_rank, world_size=fabric.world_size, drop_last=True,
@@ -340,7 +340,7 @@ def fit(
     while state["step"] < total_steps:
         step = state["step"] + 1
         profiler.before(step)
-        if recipe.data.pack_steps:  # one loader item: the step's samples, already packed into micro-batches
+        if recipe.packs_steps:  # one loader item: the step's samples, already packed into micro-batches
             step_batches = next(batches)
         else:
             step_batches = [next(batches) for _ in range(accum)]
@@ -742,7 +742,7 @@ def worst_case_tokens(recipe: Recipe, lengths: torch.Tensor) -> int:
 
     b = min(recipe.loader_batch_size, len(lengths))
     longest = torch.sort(lengths, descending=True).values[:b]
-    if recipe.data.pack_steps:
+    if recipe.packs_steps:
         return int(-(-min(int(longest.sum()), recipe.step_capacity) // PACK_MULTIPLE) * PACK_MULTIPLE)
     if recipe.data.packing:
         return int(-(-int(longest.sum()) // PACK_MULTIPLE) * PACK_MULTIPLE)
@@ -992,7 +992,7 @@ def build_result(
             "global_batch_size": recipe.train.global_batch_size,
             "max_seq_length": recipe.data.max_seq_length,
             "arithmetic": recipe.batch_arithmetic(),
-            "pack_steps": recipe.data.pack_steps,
+            "pack_steps": recipe.packs_steps,
             "micro_batches_run": state["micro_batches_run"],
         },
         "data": {

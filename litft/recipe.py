@@ -116,12 +116,14 @@ class DataConfig:
     """Concatenate each micro-batch's samples into one row, attention kept within each sample: the same samples and
     loss as padding to the longest, without computing the padding (typically a third to a half of the positions)."""
 
-    pack_steps: bool = False
-    """With packing: fill micro-batches by positions rather than by samples. Each optimizer step's samples are packed
-    into as few micro-batches of at most micro_batch_size x max_seq_length positions as fit (first-fit decreasing),
-    so short samples make fewer, fuller micro-batches at the same peak memory. The same samples per step and the
-    same loss normalisation (by the step's loss tokens): the same update, up to rounding. An epoch then ends at its
-    last whole step (without it, a step may take its last micro-batches from the next epoch)."""
+    pack_steps: bool = True
+    """With packing (no effect when data.packing is false): fill micro-batches by positions rather than by samples.
+    Each optimizer step's samples are packed into as few micro-batches of at most micro_batch_size x max_seq_length
+    positions as fit (first-fit decreasing), so short samples make fewer, fuller micro-batches at the same peak
+    memory. The same samples per step and the same loss normalisation (by the step's loss tokens): the same update,
+    up to rounding. An epoch then ends at its last whole step (without it, a step may take its last micro-batches
+    from the next epoch). Measured on the H100 (benchmarks/results/pack-steps-tiny): TinyLlama LoRA 25,382 ->
+    28,570 real tok/s, QLoRA 21,697 -> 23,273, full 32,046 -> 32,444, same losses."""
 
     num_workers: int = 2
     """DataLoader worker processes (0 = load in the training process)."""
@@ -331,14 +333,19 @@ class Recipe:
             f" = global_batch_size {t.global_batch_size}; up to {t.global_batch_size * self.data.max_seq_length:,}"
             f" tokens per step at max_seq_length {self.data.max_seq_length}"
             + (f"; micro-batches filled to {self.step_capacity:,} positions (data.pack_steps)"
-               if self.data.pack_steps else "")
+               if self.packs_steps else "")
         )
+
+    @property
+    def packs_steps(self) -> bool:
+        """data.pack_steps in effect: it fills packed micro-batches, so only with data.packing."""
+        return self.data.pack_steps and self.data.packing
 
     @property
     def loader_batch_size(self) -> int:
         """Samples per item of the training loader: micro_batch_size, or with data.pack_steps a whole step's samples
         per device (micro_batch_size x grad_accum), which the collate packs into micro-batches."""
-        return self.train.micro_batch_size * (self.grad_accum if self.data.pack_steps else 1)
+        return self.train.micro_batch_size * (self.grad_accum if self.packs_steps else 1)
 
     @property
     def step_capacity(self) -> int:
@@ -772,8 +779,6 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
         problems.append(f"train.keep_last_n: must be at least 1 (the checkpoint to resume from), got {t.keep_last_n}")
     if t.loss_chunk < 0:
         problems.append(f"train.loss_chunk: must be 0 (no chunking) or positive, got {t.loss_chunk}")
-    if recipe.data.pack_steps and not recipe.data.packing:
-        problems.append("data.pack_steps: fills packed micro-batches, so it needs data.packing true")
     if t.max_steps is not None and t.max_steps < 1:
         problems.append(f"train.max_steps: must be at least 1 or null, got {t.max_steps}")
     if t.warmup_steps < 0:

@@ -122,10 +122,9 @@ def test_contradictions_are_listed_together(tmp_path):
         tmp_path,
         "init: random\nmodel:\n  name: tiny-llama-1.1b\nmethod: qlora\nprecision: bf16-mixed\n"
         "train:\n  global_batch_size: 10\n  micro_batch_size: 4\n",
-        "--lora.r", "0", "--data.packing", "false", "--data.pack_steps", "true",
+        "--lora.r", "0",
     )
     text = "\n".join(problems)
-    assert "data.pack_steps: fills packed micro-batches, so it needs data.packing true" in text
     assert "train.global_batch_size: 10 is not a multiple of micro_batch_size x devices = 4 x 1 = 4; try 8 or 12" in text
     assert "quantize: method qlora needs a 4-bit format" in text
     assert "precision: bf16-mixed cannot be combined with 4-bit weights" in text
@@ -193,3 +192,17 @@ def test_every_config_field_has_a_docstring_that_reaches_help():
     assert "Samples per forward/backward pass on each device" in help_text
     assert "--train.micro_batch_size" in help_text and "--lora.targets" in help_text
     assert yaml.safe_load(recipe_to_yaml(Recipe()))["train"]["micro_batch_size"] == 4
+
+
+def test_pack_steps_is_on_by_default_and_only_takes_effect_with_packing(tiny_recipe):
+    """data.pack_steps fills packed micro-batches: on by default, and without packing there is nothing to fill, so
+    the loader hands out micro-batches of micro_batch_size samples as before."""
+    from litft.recipe import validate
+
+    packed = tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 2}, data={"max_seq_length": 96})
+    assert packed.data.pack_steps and packed.packs_steps
+    assert packed.loader_batch_size == 8 and packed.step_capacity == 2 * 96  # a step's samples; 2 rows' positions
+    assert "micro-batches filled to 192 positions (data.pack_steps)" in packed.batch_arithmetic()
+    padded = tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 2}, data={"packing": False})
+    assert padded.data.pack_steps and not padded.packs_steps and validate(padded, check_paths=False) == []
+    assert padded.loader_batch_size == 2 and "pack_steps" not in padded.batch_arithmetic()

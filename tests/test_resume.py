@@ -206,13 +206,15 @@ def test_a_full_disk_fails_the_save_with_exit_6_and_keeps_the_previous_checkpoin
     assert ckpt.load_checkpoint(committed_checkpoints(out_dir)[0])["commit"]["step"] == 1
 
 
-def test_a_field_added_since_the_checkpoint_compares_as_its_default(tiny_recipe):
+def test_a_field_added_since_the_checkpoint_compares_as_what_its_absence_meant(tiny_recipe):
     from litft.checkpoint import resume_differences
     from litft.recipe import recipe_to_dict
 
-    recipe = tiny_recipe(train={"max_grad_norm": None})
+    recipe = tiny_recipe(train={"max_grad_norm": None}, data={"pack_steps": False})
     saved = recipe_to_dict(recipe)
-    del saved["data"]["pack_steps"]  # a checkpoint written before data.pack_steps existed
+    del saved["data"]["pack_steps"]  # a checkpoint written before data.pack_steps existed: micro-batches by samples
+    del saved["data"]["mask_prompt"]  # any other missing field compares as its default (True, as now)
     assert resume_differences(saved, recipe) == ([], [])  # and a saved null (max_grad_norm) stays null
-    refuse, _ = resume_differences(saved, tiny_recipe(train={"max_grad_norm": None}, data={"pack_steps": True}))
+    # pack_steps is on by default now: resuming such a checkpoint with the defaults would change the data order
+    refuse, _ = resume_differences(saved, tiny_recipe(train={"max_grad_norm": None}))
     assert refuse == ["data.pack_steps: checkpoint False, now True"]
