@@ -95,6 +95,22 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-compiled", "tiny-llama-full", GPU + steps(40) + ["--train.compile", "always"]),
         ("full-mixed", "tiny-llama-full", GPU + steps(40) + ["--precision", "bf16-mixed"]),
     ],
+    # Issue 5: the rest of ablation-tiny (its first call ran out of time at lora-compiled; results/ablation-tiny has
+    # the five LoRA runs that finished). Without graphs compile 'auto' turns compile on, so "no graphs" runs here
+    # keep compile off to change one thing; lora-plain-profile shows where an eager step's GPU time goes.
+    "ablation-tiny-2": [
+        ("full", "tiny-llama-full", GPU + steps(40)),
+        ("full-mixed", "tiny-llama-full", GPU + steps(40) + ["--precision", "bf16-mixed"]),
+        ("full-unfused-adamw", "tiny-llama-full", GPU + steps(40) + [
+            "--optimizer.init_args.foreach", "true"]),  # what torch picks without fused=True
+        ("full-no-graphs", "tiny-llama-full", GPU + steps(40) + ["--train.cuda_graphs", "never", "--train.compile",
+                                                                 "never"]),
+        ("lora-no-graphs-eager", "tiny-llama-lora", GPU + steps(40) + ["--train.cuda_graphs", "never",
+                                                                       "--train.compile", "never"]),
+        ("lora-plain-profile", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.cuda_graphs", "never",
+                                                                              "--train.compile", "never"]),
+        ("lora-compiled", "tiny-llama-lora", GPU + steps(40) + ["--train.compile", "always"]),
+    ],
     # Issue 5: after the capture fixes (new shapes captured without a plain warm-up; 4-bit layers' compute dtype
     # settled before compiling; the RNG reset after a failed capture).
     "graphs-tiny2": [
