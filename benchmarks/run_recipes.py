@@ -111,6 +111,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
                                                                               "--train.compile", "never"]),
         ("lora-compiled", "tiny-llama-lora", GPU + steps(40) + ["--train.compile", "always"]),
     ],
+    # Issue 5: compiling's cost and gain once the block compiles to one graph (it built 4 in ablation-tiny-2's
+    # lora-compiled: 124 s of process time against ~32 s), with every packed width captured before the first step.
+    "compile-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(60)),
+        ("lora-compiled", "tiny-llama-lora", GPU + steps(60) + ["--train.compile", "always"]),
+        ("qlora-compiled", "tiny-llama-qlora", GPU + steps(60) + ["--train.compile", "always"]),
+        ("full-compiled", "tiny-llama-full", GPU + steps(40) + ["--train.compile", "always"]),
+    ],
     # Issue 5: after the capture fixes (new shapes captured without a plain warm-up; 4-bit layers' compute dtype
     # settled before compiling; the RNG reset after a failed capture).
     "graphs-tiny2": [
@@ -194,12 +202,13 @@ def predicted(memory: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| run | exit | steps | tok/s (real) | tok/s/GPU | padded tok/s | MFU | median step | peak alloc GiB |"
-            " peak reserved GiB | predicted GiB (error) | loss first -> last |")
+            " peak reserved GiB | predicted GiB (error) | loss first -> last | warm-up s | process s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         r = row["result"]
         if r is None or r.get("status") != "ok":
-            lines.append(f"| {row['name']} | {row['exit_code']} | | | | | | | | | | {row['message'][:80]} |")
+            lines.append(f"| {row['name']} | {row['exit_code']} | | | | | | | | | | {row['message'][:80]} | |"
+                         f" {row['wall_s']:.0f} |")
             continue
         t, m, lo = r["throughput"], r["memory"], r["losses"]
         mfu = f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a"
@@ -209,7 +218,8 @@ def table(rows: list[dict]) -> str:
             f"| {row['name']} | {row['exit_code']} | {r['steps']} | {t['tokens_per_sec']:,.0f} |"
             f" {t['tokens_per_sec_per_device']:,.0f} | {t['padded_tokens_per_sec']:,.0f} | {mfu} |"
             f" {t['median_step_time_s'] * 1000:.1f} ms | {alloc} | {reserved} | {predicted(m)} |"
-            f" {lo['train_first']:.3f} -> {lo['train_last']:.3f} |"
+            f" {lo['train_first']:.3f} -> {lo['train_last']:.3f} | {r['phases_s'].get('warmup', 0.0):.1f} |"
+            f" {row['wall_s']:.0f} |"
         )
     return "\n".join(lines)
 

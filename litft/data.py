@@ -861,24 +861,36 @@ def _fill_to(sizes: list[int], capacity: int) -> list[int]:
 
 def largest_batches(
     lengths: torch.Tensor, micro_batch_size: int, collate_fn, pad_id: int, capacity: int | None = None,
+    widths: int = 2,
 ) -> list[dict[str, Any]]:
     """Stand-in micro-batches, largest first: the shape of the data's ``micro_batch_size`` longest samples, and the
     next smaller shape (the longest sample shortened by 256 positions), made by the run's own ``collate_fn`` (one
     packed micro-batch per call). ``capacity`` (data.pack_steps, where ``micro_batch_size`` is a step's samples):
-    the longest samples only as far as they fill that many positions.
+    the longest samples only as far as they fill that many positions. ``widths`` > 2, for packed rows: also the
+    next smaller row widths, GRAPH_MULTIPLE positions apart, down to GRAPH_MULTIPLE (at most ``widths`` batches
+    in all); padded batches stop at two.
 
-    For CUDA graphs: warming up on both before training makes torch.compile settle its shape-generic kernels, and
-    capturing the largest shape first sizes the graphs' memory pool once; smaller shapes then fit in it. The tokens
+    For CUDA graphs: warming up on the first two before training makes torch.compile settle its shape-generic
+    kernels, and capturing the largest shape first sizes the graphs' memory pool once; smaller shapes then fit in
+    it, and capturing them too before the first step keeps those captures out of the training steps. The tokens
     are all ``pad_id`` (any valid id: the numbers do not matter, only the shapes)."""
     longest = torch.sort(lengths, descending=True).values[: min(micro_batch_size, len(lengths))].tolist()
     if capacity is not None:  # data.pack_steps: the fullest micro-batch a step's samples can fill
         longest = _fill_to(longest, capacity)
-    shorter = [max(1, longest[0] - 256)] + longest[1:]
-    batches = []
-    for sizes in (longest, shorter):
-        samples = [{"input_ids": torch.full((n,), pad_id, dtype=torch.int64),
-                    "labels": torch.full((n,), pad_id, dtype=torch.int64)} for n in sizes]
-        batches.append(collate_fn(samples))
+
+    def stand_in(sizes: list[int]) -> dict[str, Any]:
+        return collate_fn([{"input_ids": torch.full((n,), pad_id, dtype=torch.int64),
+                            "labels": torch.full((n,), pad_id, dtype=torch.int64)} for n in sizes])
+
+    batches = [stand_in(longest), stand_in([max(1, longest[0] - 256)] + longest[1:])]
+    packed = batches[0]["input_ids"].shape[0] == 1 and "cu_seqlens" in batches[0]
+    if packed and widths > 2:
+        # a row of exactly `width` positions: the longest samples cut to fill it (so no more samples than a real
+        # micro-batch has, and cu_seqlens keeps its length)
+        for width in range(batches[1]["input_ids"].shape[1] - GRAPH_MULTIPLE, 0, -GRAPH_MULTIPLE):
+            if len(batches) == widths:
+                break
+            batches.append(stand_in(_fill_to(longest, width)))
     return batches
 
 

@@ -115,7 +115,8 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 class Phases:
-    """Wall time of each phase (load, setup, train, eval, save), in seconds."""
+    """Wall time of each phase, in seconds: load (data and tokenizer), setup (model, optimizer, loaders), warmup (CUDA
+    graphs' warm-up and capture of the largest shapes, and the torch.compile runs they set off), train, eval, save."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -204,7 +205,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f" CUDA graphs {'on' if graphed else 'off'},"
             f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
             f" {'on' if recipe.train.activation_checkpointing else 'off'}")
-        model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length))
+        model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
 
         # data.pack_steps: the sampler hands out a step's samples at once (the same samples per step, in the same
@@ -262,8 +263,9 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     try:
         if graphed:  # warm-up and capture run the largest micro-batch: inside the try, so running out of memory is exit 4
             train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.loader_batch_size)
-            micro_step.prepare(largest_batches(data.train.lengths, recipe.loader_batch_size, train_collate,
-                                               data.pad_id, step_capacity))
+            with phases("warmup"):  # CUDA graphs' warm-up and capture, with the compiles they set off
+                micro_step.prepare(largest_batches(data.train.lengths, recipe.loader_batch_size, train_collate,
+                                                   data.pad_id, step_capacity, GraphedMicroSteps.UPFRONT_SHAPES))
         if recipe.eval.initial:
             with phases("eval"):
                 losses["val_initial"] = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
@@ -337,6 +339,7 @@ def fit(
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
+    progress.start()
     while state["step"] < total_steps:
         step = state["step"] + 1
         profiler.before(step)
@@ -516,8 +519,8 @@ class GraphedMicroSteps:
     all with one launch.
     How: before training (prepare), stand-in batches of the largest shape and the next smaller one run plainly
     WARMUP times each (torch.compile builds its kernels, the gradients are allocated, a layer settles what it sets
-    on its first call: nothing recompiles during a capture), and the largest shape is captured. A new shape met in
-    training is captured straight away, with no plain warm-up: a plain run would need a second set of activations
+    on its first call: nothing recompiles during a capture), and the largest shape is captured, then the smaller
+    packed widths (prepare). A new shape met in training is captured straight away, with no plain warm-up: a plain run would need a second set of activations
     beside the graphs' pool; if that capture fails (a recompile for the new shape, say), the shape warms up plainly
     and is captured again. Micro-batches of a captured shape copy their tensors into the
     graph's inputs and replay it. Backward adds into the gradients in place, at the addresses captured, so the loop
@@ -529,6 +532,7 @@ class GraphedMicroSteps:
 
     keeps_gradients = True
     WARMUP = 2  # plain micro-batches before a capture (torch's CUDA graph docs warm up a few, too)
+    UPFRONT_SHAPES = 16  # packed row widths captured before training (TinyLlama at 4 x 512: 8 widths of 256)
 
     def __init__(self, fabric, model, say) -> None:
         self.fabric, self.model, self.say = fabric, model, say
@@ -544,8 +548,11 @@ class GraphedMicroSteps:
         self.pool_tokens = 0  # positions of the largest captured micro-batch: what sized the graphs' pool
 
     def prepare(self, batches: list[dict]) -> None:
-        """Before training: warm up plainly on stand-in batches (largest first; data.largest_batches), give back
-        their gradients, and capture the largest shape, so the graphs' pool is sized once by the largest micro-batch.
+        """Before training: warm up plainly on the first two stand-in batches (largest first;
+        data.largest_batches), give back their gradients, and capture the largest shape, so the graphs' pool is
+        sized once by the largest micro-batch; then capture the other stand-ins' shapes (packed rows: every width
+        up to UPFRONT_SHAPES), so that the training steps replay instead of capturing (a TinyLlama LoRA run met 8
+        widths in its first 15 steps, each capture costing about a plain micro-step's launch time).
         The warm-up's dropout draws come from a forked random state: the run's own random numbers (and a resumed
         run's) are those it would draw without it."""
         device = self.fabric.device
@@ -562,12 +569,26 @@ class GraphedMicroSteps:
             for batch_inputs in inputs:
                 for _ in range(self.WARMUP):
                     self.plain(batch_inputs, 1.0)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.zero_()
-            if self._capture(self.key(inputs[0]), inputs[0], last_try=True):
-                self.pool_tokens = int(batches[0]["tokens_padded"])
+            self._zero_gradients()
+            if not self._capture(self.key(inputs[0]), inputs[0], last_try=True):
+                return
+            self.pool_tokens = int(batches[0]["tokens_padded"])
+            for batch_inputs in inputs[1:]:  # a capture does not run the micro-step: the gradients stay zero
+                key = self.key(batch_inputs)
+                if key in self.graphs or self._capture(key, batch_inputs, last_try=False):
+                    continue
+                self.retries += 1  # as in training: warm this shape up plainly, then capture it
+                for _ in range(self.WARMUP):
+                    self.plain(batch_inputs, 1.0)
+                self._zero_gradients()
+                if not self._capture(key, batch_inputs, last_try=True):
+                    return
+
+    def _zero_gradients(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
 
     @staticmethod
     def key(inputs: dict) -> tuple:

@@ -369,10 +369,12 @@ class CausalLM(torch.nn.Module):
     (tokens x vocabulary) logits never exist at once, in 16 or 32 bits.
     """
 
-    def __init__(self, gpt: torch.nn.Module, loss_chunk: int, max_seq_length: int) -> None:
+    def __init__(self, gpt: torch.nn.Module, loss_chunk: int, max_seq_length: int, compiled: bool = False) -> None:
         super().__init__()
         self.gpt = gpt
         self.loss_chunk = loss_chunk
+        self.compiled = compiled
+        """The blocks are torch.compile'd (:func:`compile_blocks`): hidden() then keeps them to one compiled graph."""
         # Flash attention's varlen kernel sizes its grid by this bound and leaves any position past it in a segment
         # unwritten (garbage that reaches the weight gradients as inf/nan through the zero-loss padding). It must
         # cover every segment of every batch: samples (at most max_seq_length) and a packed row's padding tail (under
@@ -385,11 +387,23 @@ class CausalLM(torch.nn.Module):
     def hidden(self, input_ids, positions=None, packed: Packed | None = None) -> torch.Tensor:
         gpt = self.gpt
         x = gpt.transformer.wte(input_ids)
+        if self.compiled:  # one compiled graph of the block for every micro-batch (each one more is a compile)
+            if torch.is_grad_enabled() and not x.requires_grad:
+                # LoRA/QLoRA: the embedding is frozen, so the first block's input would not require grad and the
+                # others' would, and torch.compile guards on that: two graphs. Requiring it costs that block's input
+                # gradient, ~0.3% of the step (the q/k/v weights' d x (d + 2 kv) per token, of ~4 x 1.1e9).
+                x.requires_grad_(True)
         if positions is None:
             t = input_ids.size(1)
             cos, sin = gpt.cos[:t].unsqueeze(0), gpt.sin[:t].unsqueeze(0)
         else:
             cos, sin = gpt.cos[positions], gpt.sin[positions]  # (B, T, rope dims): each sample from position 0
+        if self.compiled:
+            # The row length is dynamic; left alone, a first batch as long as the hidden size (TinyLlama: a 2,048-
+            # position micro-batch, n_embd 2,048) is given the hidden size's symbol ("duck sizing") and specialised
+            # to it, and the next length compiles again (seen on the H100: 4 graphs where 1 does).
+            for t in (x, cos, sin):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
         for block in gpt.transformer.h:
             x = block(x, cos, sin, packed)
         return gpt.transformer.ln_f(x)
@@ -424,8 +438,10 @@ def chunked_lm_loss(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.T
     return total
 
 
-def compile_blocks(gpt: torch.nn.Module) -> None:
+def compile_blocks(gpt: torch.nn.Module, backend: str = "inductor") -> None:
     """Regional compilation: each transformer block is compiled (one graph, reused by all blocks since they share
-    code), which compiles in seconds rather than minutes and keeps the loop and the loss in eager Python."""
+    code), which compiles in seconds rather than minutes and keeps the loop and the loss in eager Python. Build the
+    CausalLM with compiled=True, so its inputs keep to that one graph. ``backend``: torch.compile's (tests use
+    'aot_eager': the same graphs and guards without generating kernels)."""
     for block in gpt.transformer.h:
-        block.compile(dynamic=True)
+        block.compile(dynamic=True, backend=backend)

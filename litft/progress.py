@@ -51,8 +51,14 @@ class Progress:
                 TimeRemainingColumn(),
                 transient=False,
             )
-            self._task = self._bar.add_task("train", total=total_steps, stats="")
+            self._task = self._bar.add_task("train", total=total_steps, stats="", start=False)
             self._bar.start()
+
+    def start(self) -> None:
+        """The first step begins: the ETA counts from here, not from loading, compiling and capturing before it."""
+        self._t0 = time.perf_counter()
+        if self._bar is not None:
+            self._bar.start_task(self._task)
 
     def print(self, message: str) -> None:
         if self.mode == "rich":

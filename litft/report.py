@@ -130,6 +130,7 @@ for _field in (
     Field("batch.micro_batches_run", "micro-batches", "int"),
     Field("memory.predicted_for_tokens", "pred. tokens", "int"),
     Field("phases_s.train", "train s", "auto"),
+    Field("phases_s.warmup", "warm-up s", "auto"),
 ):
     KNOWN_FIELDS.setdefault(_field.path, _field)
 

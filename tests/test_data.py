@@ -630,3 +630,21 @@ def test_largest_batches_under_pack_steps_fill_the_capacity():
     largest, smaller = largest_batches(lengths, 8, one_row, pad_id=0, capacity=512)
     assert largest["input_ids"].shape == (1, 512)  # 120+100+90+80+70+52 (the last cut) fill 512 positions
     assert largest["cu_seqlens"].shape == (8 + 2,)
+
+
+def test_largest_batches_give_every_packed_width_for_up_front_captures():
+    """CUDA graphs capture each row width before training: stand-ins of every width GRAPH_MULTIPLE apart, largest
+    first, each with the fixed cu_seqlens length of the run's micro-batches and no more samples than they hold."""
+    from litft.data import GRAPH_MULTIPLE, collate_function, largest_batches
+
+    lengths = torch.tensor([512] * 10 + [100] * 5)
+    packed = collate_function(pad_id=0, packing=True, fixed_shapes=True, micro_batch_size=4)
+    batches = largest_batches(lengths, 4, packed, pad_id=0, widths=16)
+    assert [b["input_ids"].shape[1] for b in batches] == [2048, 1792, 1536, 1280, 1024, 768, 512, 256]
+    assert all(b["tokens_real"] == b["tokens_padded"] for b in batches[2:])  # each exactly fills its width
+    assert {tuple(b["cu_seqlens"].shape) for b in batches} == {(4 + 2,)} and max(b["samples"] for b in batches) <= 4
+    assert len(largest_batches(lengths, 4, packed, pad_id=0, widths=3)) == 3
+    assert len(largest_batches(lengths, 4, packed, pad_id=0)) == 2  # the default: the largest and the next smaller
+    padded = collate_function(pad_id=0, packing=False, fixed_shapes=True, micro_batch_size=4)
+    assert len(largest_batches(lengths, 4, padded, pad_id=0, widths=16)) == 2  # (B, T) shapes: captured as met
+    assert GRAPH_MULTIPLE == 256

@@ -217,3 +217,18 @@ def test_snapshot_pools_split_reserved_memory_by_pool():
         "graph pool (1, 0): 4.00 GiB reserved in 1 segments, 0.25 GiB allocated, 3.75 GiB free",
     ]
     assert snapshot_pools({}) == []
+
+
+def test_the_eta_counts_from_the_first_step_not_from_loading_and_compiling(monkeypatch, capsys):
+    """A compile of 90 s before the first step made the ETA at step 5 of 40 read 10m45s for a run that had 4 s
+    left (H100, TinyLlama LoRA compiled). The ETA extrapolates the steps' own time."""
+    import litft.progress as progress_module
+
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "perf_counter", lambda: now[0])
+    progress = progress_module.Progress("plain", total_steps=40, enabled=True)
+    now[0] += 90.0  # loading, compiling, capturing
+    progress.start()
+    now[0] += 5 * 0.1  # five steps of 100 ms
+    progress.update(5, loss=2.0, tok_s=1000.0, gib=1.0, lr=1e-4)
+    assert capsys.readouterr().out.strip().endswith("ETA 3s")  # 35 steps x 0.1 s = 3.5 s (whole seconds)
