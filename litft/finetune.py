@@ -450,13 +450,14 @@ def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[b
     """Whether to torch.compile the blocks, and why when 'auto' decided (for the run's speed line).
 
     'auto': never on the CPU (inductor's C++ compile costs minutes for little gain); always on CUDA without CUDA
-    graphs (compiling then also cuts the host's launch overhead). With CUDA graphs the host overhead is gone, and
-    compiling only makes the kernels faster: it saves ~35% of a micro-batch's GPU time (TinyLlama LoRA, 1,024
-    tokens: 17.0 vs 26.3 ms with benchmarks/host_overhead.py in an H100 call whose output was lost, to be measured
-    again by benchmarks' set:ablation-tiny) and costs ~40-90 s of compiling (seen in the same lost calls).
-    Eager kernels run at roughly 35% of peak, so the saving is 0.35 x work / (0.35 x peak) = work / peak seconds:
-    compile when the planned work at the peak FLOP/s exceeds COMPILE_PAYS_OFF_S. Work = planned tokens x FLOPs per
-    token (6 per trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out)."""
+    graphs (compiling then also cuts the host's launch overhead: TinyLlama LoRA 13,899 vs 8,662 real tok/s on the
+    H100, benchmarks/results/ablation-tiny*). With CUDA graphs the host overhead is gone, and compiling only makes
+    the kernels faster: TinyLlama LoRA's median step 109.0 -> 73.5 ms (~3,900 tokens: 9.1 us saved per token), for
+    ~90 s more process time (124 vs ~32 s; that run compiled the block 4 times, since fixed to once, and the
+    smaller cost is not measured yet). Rule: the saving is taken as work / peak seconds (4.6 us per TinyLlama LoRA
+    token at the H100's peak: half the measured saving, a margin for the models and GPUs not measured), so compile
+    when the planned work at the peak FLOP/s exceeds COMPILE_PAYS_OFF_S. Work = planned tokens x FLOPs per token
+    (6 per trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out)."""
     mode = recipe.train.compile
     if mode != "auto":
         return mode == "always", ""
