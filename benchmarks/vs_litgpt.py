@@ -560,7 +560,9 @@ def litft_row(run: Run, code: int, config, lengths: list[int], peak) -> dict:
                             result["steps"] * result["batch"]["grad_accum"])
     done = work(batches, lengths, flop_model(config, run.recipe.method, run.recipe, result["parameters"]))
     row["checks"].append(agreement("litft throughput.tokens_real vs replayed", t["tokens_real"], done["real_tokens"]))
-    epoch = result["phases_s"]["train"]
+    # the training loop and, before it, the CUDA graphs' warm-up and captures (with any compiling they set off):
+    # both are work on the training data's shapes that LitGPT's loop does inside its iterations
+    epoch = result["phases_s"]["train"] + result["phases_s"].get("warmup", 0.0)
     row.update(
         status="ok", steps=result["steps"], samples=done["samples"], epoch_time_s=epoch,
         real_tokens=done["real_tokens"], padded_tokens=t["tokens_padded"], real_tok_s=done["real_tokens"] / epoch,
@@ -599,8 +601,10 @@ DEFINITIONS = """\
   every micro-batch; each spans fetching the batch to the loss `.item()` sync after its backward and optimizer step);
   it leaves out what LitGPT's `fit()` does before the loop (a scan of all rows for the longest, 2 sanity-check
   validation batches) and after it (finetune_lora generates a sample), and the logging between iterations (its size
-  for finetune_lora is under Checks). litft: `phases_s.train` of result.json, the wall time of `fit()`: compilation
-  and the first steps included.
+  for finetune_lora is under Checks). litft: `phases_s.train` + `phases_s.warmup` of result.json: the wall time of
+  `fit()` and of the CUDA graphs' warm-up and captures before it, compilation and the first steps included.
+  (Results recorded before commit 5b161c3 have no warmup phase: their epoch s leaves out that warm-up, 4 plain
+  micro-steps and one capture.)
 - **samples**, **steps**: what the run trained on. LitGPT's loader keeps an incomplete last micro-batch; litft drops
   an incomplete last step. With 1,024 rows and global batch 16 or 32, an epoch is the same 1,024 rows for both.
 - **real tok/s** = real tokens / epoch s, the same count for both tools: each trained sample's input positions as
