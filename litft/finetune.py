@@ -515,17 +515,17 @@ class PlainMicroStep:
 class GraphedMicroSteps:
     """One micro-batch's forward and backward, replayed as a CUDA graph: one per distinct batch shape.
 
-    Why: a TinyLlama LoRA micro-batch launches ~2,000 kernels; the host needs ~80 ms to launch them and the GPU
-    ~17 ms to run them (benchmarks/host_overhead.py), so the GPU idles four fifths of the time. A graph replays them
-    all with one launch.
+    Why: a TinyLlama LoRA step launches ~11,000 kernels, and run plainly the GPU is busy 11% of the step's time
+    (H100, benchmarks/results/ablation-tiny-2, lora-plain-profile: 406 ms per step plainly, 109 ms replayed). A
+    graph replays a micro-step's kernels with one launch.
     How: before training (prepare), stand-in batches of the largest shape and the next smaller one run plainly
     WARMUP times each (torch.compile builds its kernels, the gradients are allocated, a layer settles what it sets
     on its first call: nothing recompiles during a capture), and the largest shape is captured, then the smaller
-    packed widths (prepare). A new shape met in training is captured straight away, with no plain warm-up: a plain run would need a second set of activations
-    beside the graphs' pool; if that capture fails (a recompile for the new shape, say), the shape warms up plainly
-    and is captured again. Micro-batches of a captured shape copy their tensors into the
-    graph's inputs and replay it. Backward adds into the gradients in place, at the addresses captured, so the loop
-    zeroes gradients in place (keeps_gradients). The scale 1/denominator is a device tensor filled before each
+    packed widths. A new shape met in training is captured straight away, with no plain warm-up: a plain run would
+    need a second set of activations beside the graphs' pool; if that capture fails (a recompile for the new shape,
+    say), the shape warms up plainly and is captured again. Micro-batches of a captured shape copy their tensors
+    into the graph's inputs and replay it. Backward adds into the gradients in place, at the addresses captured, so
+    the loop zeroes gradients in place (keeps_gradients). The scale 1/denominator is a device tensor filled before each
     replay (a plain number would be frozen into the graph). All graphs share one memory pool: they never run at the
     same time, and each one's output is copied out before the next replay. If a capture after warm-up fails (an op
     that cannot be captured), the run says why once and continues plainly.
@@ -552,8 +552,8 @@ class GraphedMicroSteps:
         """Before training: warm up plainly on the first two stand-in batches (largest first;
         data.largest_batches), give back their gradients, and capture the largest shape, so the graphs' pool is
         sized once by the largest micro-batch; then capture the other stand-ins' shapes (packed rows: every width
-        up to UPFRONT_SHAPES), so that the training steps replay instead of capturing (a TinyLlama LoRA run met 8
-        widths in its first 15 steps, each capture costing about a plain micro-step's launch time).
+        up to UPFRONT_SHAPES), so that the training steps replay instead of capturing (a 40-step TinyLlama LoRA run
+        captured 8 widths during its steps, each capture costing about a plain micro-step's launch time).
         The warm-up's dropout draws come from a forked random state: the run's own random numbers (and a resumed
         run's) are those it would draw without it."""
         device = self.fabric.device

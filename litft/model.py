@@ -402,8 +402,8 @@ class CausalLM(torch.nn.Module):
             # The row length is dynamic; left alone, a first batch as long as the hidden size (TinyLlama: a 2,048-
             # position micro-batch, n_embd 2,048) is given the hidden size's symbol ("duck sizing") and specialised
             # to it, and the next length compiles again (seen on the H100: 4 graphs where 1 does).
-            for t in (x, cos, sin):
-                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for tensor in (x, cos, sin):
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
         for block in gpt.transformer.h:
             x = block(x, cos, sin, packed)
         return gpt.transformer.ln_f(x)
