@@ -202,13 +202,14 @@ def predicted(memory: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| run | exit | steps | tok/s (real) | tok/s/GPU | padded tok/s | MFU | median step | peak alloc GiB |"
-            " peak reserved GiB | predicted GiB (error) | loss first -> last | warm-up s | process s |")
+            " peak reserved GiB | predicted GiB (error) | loss first -> last | warm-up s | process s | compiled graphs |"
+            " graph shapes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         r = row["result"]
         if r is None or r.get("status") != "ok":
             lines.append(f"| {row['name']} | {row['exit_code']} | | | | | | | | | | {row['message'][:80]} | |"
-                         f" {row['wall_s']:.0f} |")
+                         f" {row['wall_s']:.0f} | | |")
             continue
         t, m, lo = r["throughput"], r["memory"], r["losses"]
         mfu = f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a"
@@ -219,7 +220,8 @@ def table(rows: list[dict]) -> str:
             f" {t['tokens_per_sec_per_device']:,.0f} | {t['padded_tokens_per_sec']:,.0f} | {mfu} |"
             f" {t['median_step_time_s'] * 1000:.1f} ms | {alloc} | {reserved} | {predicted(m)} |"
             f" {lo['train_first']:.3f} -> {lo['train_last']:.3f} | {r['phases_s'].get('warmup', 0.0):.1f} |"
-            f" {row['wall_s']:.0f} |"
+            f" {row['wall_s']:.0f} | {(r.get('compile') or {}).get('unique_graphs', 'n/a')} |"
+            f" {r['cuda_graphs'].get('shapes_captured', 'off') if r['cuda_graphs'].get('on') else 'off'} |"
         )
     return "\n".join(lines)
 

@@ -126,6 +126,7 @@ for _field in (
     Field("environment.gpu", "GPU", "text"),
     Field("cuda_graphs.on", "CUDA graphs", "auto"),
     Field("cuda_graphs.shapes_captured", "graph shapes", "int"),
+    Field("compile.unique_graphs", "compiled graphs", "int"),
     Field("batch.pack_steps", "pack steps", "auto"),
     Field("batch.micro_batches_run", "micro-batches", "int"),
     Field("memory.predicted_for_tokens", "pred. tokens", "int"),
