@@ -547,6 +547,7 @@ class GraphedMicroSteps:
         self.scale = torch.ones((), device=fabric.device)
         self.failed = False
         self.pool_tokens = 0  # positions of the largest captured micro-batch: what sized the graphs' pool
+        self.captured_before_training = 0  # shapes prepare() captured
 
     def prepare(self, batches: list[dict]) -> None:
         """Before training: warm up plainly on the first two stand-in batches (largest first;
@@ -584,6 +585,7 @@ class GraphedMicroSteps:
                 self._zero_gradients()
                 if not self._capture(key, batch_inputs, last_try=True):
                     return
+            self.captured_before_training = len(self.graphs)
 
     def _zero_gradients(self) -> None:
         with torch.no_grad():
@@ -644,7 +646,8 @@ class GraphedMicroSteps:
 
     def stats(self) -> dict:
         """For result.json: shapes captured, replays, plain warm-up micro-batches, retried captures, a failure."""
-        return {"on": not self.failed, "shapes_captured": len(self.graphs), "replays": self.replays,
+        return {"on": not self.failed, "shapes_captured": len(self.graphs),
+                "captured_before_training": self.captured_before_training, "replays": self.replays,
                 "plain_micro_batches": sum(self.warming.values()), "retried_captures": self.retries,
                 "failure": self.failure, "pool_tokens": self.pool_tokens if not self.failed else 0}
 

@@ -154,6 +154,8 @@ def test_cuda_graph_replays_give_the_losses_of_plain_steps(tiny_recipe, tmp_path
     }
     graphs = runs["always"].result["cuda_graphs"]
     assert graphs["on"] and graphs["failure"] is None and graphs["shapes_captured"] >= 1
+    # packed rows (rows of 256, with pack_steps also 512 positions): every width was captured before the first step
+    assert graphs["captured_before_training"] == graphs["shapes_captured"]
     micro_batches = runs["always"].result["batch"]["micro_batches_run"]
     assert micro_batches == runs["never"].result["batch"]["micro_batches_run"]
     steps = runs["always"].result["steps"]
