@@ -119,6 +119,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-compiled", "tiny-llama-qlora", GPU + steps(60) + ["--train.compile", "always"]),
         ("full-compiled", "tiny-llama-full", GPU + steps(40) + ["--train.compile", "always"]),
     ],
+    # Issue 5: train.fast_lora on and off (the matmul LoRA layers with the add inside the matmul, against LitGPT's
+    # own LoRA forward), eager with CUDA graphs as the defaults run these recipes.
+    "lora-layers-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(40)),
+        ("lora-litgpt-layers", "tiny-llama-lora", GPU + steps(40) + ["--train.fast_lora", "false"]),
+        ("qlora", "tiny-llama-qlora", GPU + steps(40)),
+        ("qlora-litgpt-layers", "tiny-llama-qlora", GPU + steps(40) + ["--train.fast_lora", "false"]),
+    ],
     # Issue 5: after the capture fixes (new shapes captured without a plain warm-up; 4-bit layers' compute dtype
     # settled before compiling; the RNG reset after a failed capture).
     "graphs-tiny2": [

@@ -195,7 +195,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f"model: {config.name}, {counts.total:,} parameters, {counts.trainable:,} trainable"
             f" ({100 * counts.trainable / counts.total:.2f}%)"
         )
-        use_fast_layers(gpt)
+        use_fast_layers(gpt, lora=recipe.train.fast_lora)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -204,7 +204,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f" torch.compile {'on' if compiled else 'off'}{f' ({compile_why})' if compile_why else ''},"
             f" CUDA graphs {'on' if graphed else 'off'},"
             f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
-            f" {'on' if recipe.train.activation_checkpointing else 'off'}")
+            f" {'on' if recipe.train.activation_checkpointing else 'off'}"
+            + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
 

@@ -175,9 +175,16 @@ class TrainConfig:
 
     cuda_graphs: Literal["auto", "always", "never"] = "auto"
     """Replay each micro-batch's forward and backward as one CUDA graph: the host then launches one graph instead of
-    thousands of kernels, which is what limits small models and micro-batches (a TinyLlama LoRA micro-batch costs
-    ~80 ms of host time for ~17 ms of GPU work). Rows are padded to a few fixed lengths (one capture each).
+    thousands of kernels, which is what limits small models and micro-batches (a TinyLlama LoRA step run plainly
+    keeps an H100 busy 11% of its 406 ms; replayed, the step takes 109 ms: benchmarks/results/ablation-tiny*).
+    Rows are padded to a few fixed lengths (one capture each).
     'auto': on for a single CUDA device; off on the CPU and with DDP (its all-reduce runs inside backward)."""
+
+    fast_lora: bool = True
+    """LoRA layers as plain matmuls: the adapter's scale applied to its r-wide product and the adapter's output added
+    by its matmul in place (one block-diagonal matmul for q, k, v), instead of LitGPT's forward (a scale and an add
+    over each adapted layer's whole output; conv1d and zero-padding for q, k, v). The same function; false runs
+    LitGPT's own layers, for comparison."""
 
     loss_chunk: int = 1024
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so

@@ -8,7 +8,9 @@ import torch
 
 import litft
 from litft.data import IGNORE_INDEX, collate, collate_packed
-from litft.model import CausalLM, chunked_lm_loss, lora_qkv_forward, model_config, use_fast_layers
+from litft.model import (
+    CausalLM, chunked_lm_loss, lora_linear_forward, lora_qkv_forward, model_config, use_fast_layers,
+)
 
 
 def _samples(lengths, vocab=300, seed=0):
@@ -117,9 +119,57 @@ def test_matmul_lora_qkv_equals_litgpts_conv1d_version(tiny_recipe, targets):
     reference = layer(x)
     fast = lora_qkv_forward(layer, x)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-6)
-    (g_ref,) = torch.autograd.grad(reference.square().sum(), layer.lora_B)
-    (g_fast,) = torch.autograd.grad(fast.square().sum(), layer.lora_B)
-    torch.testing.assert_close(g_fast, g_ref, rtol=1e-5, atol=1e-6)
+    for wrt in (layer.lora_A, layer.lora_B, x):
+        (g_ref,) = torch.autograd.grad(reference.square().sum(), wrt, retain_graph=True)
+        (g_fast,) = torch.autograd.grad(fast.square().sum(), wrt, retain_graph=True)
+        torch.testing.assert_close(g_fast, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_matmul_lora_linear_equals_litgpts_with_its_dropout_draws(tiny_recipe, dropout):
+    """W x + B (s A dropout(x)), the add inside the matmul, is LitGPT's W x + (dropout(x) A^T B^T) s: same output and
+    gradients in fp32, with the same dropout masks from the same random state (the base runs first in both)."""
+    from litgpt.lora import LoRALinear
+
+    torch.manual_seed(0)
+    layer = LoRALinear(24, 40, r=4, lora_alpha=8, lora_dropout=dropout)
+    torch.nn.init.normal_(layer.lora_B, std=0.1)
+    layer.linear.weight.requires_grad_(False)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    results = {}
+    for name, forward in (("litgpt", layer.forward), ("fast", lambda t: lora_linear_forward(layer, t))):
+        torch.manual_seed(1)
+        out = forward(x)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, 40)).square().sum(), (layer.lora_A, layer.lora_B, x))
+        results[name] = (out, *grads)
+    assert results["fast"][0].shape == (3, 5, 40)
+    for fast, reference in zip(results["fast"], results["litgpt"]):
+        torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_lora_layers_keep_autocasts_dtype():
+    """Under bf16 autocast (precision bf16-mixed) the adapters stay fp32 and the output is bf16: the in-place add
+    takes B in the output's dtype."""
+    from litgpt.lora import LoRALinear
+
+    layer = LoRALinear(16, 8, r=2, lora_alpha=4, lora_dropout=0.0)
+    torch.nn.init.normal_(layer.lora_B, std=0.1)
+    x = torch.randn(2, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, reference = lora_linear_forward(layer, x), layer(x)
+    assert fast.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    fast.float().sum().backward()
+    assert layer.lora_B.grad.dtype == torch.float32 and layer.lora_A.grad is not None
+
+
+def test_fast_lora_switch_keeps_litgpts_layers(tiny_recipe):
+    gpt = _lora_gpt(tiny_recipe, ["q", "v", "mlp"])
+    use_fast_layers(gpt, lora=False)
+    assert "forward" not in vars(gpt.transformer.h[0].attn.qkv) and "forward" not in vars(gpt.transformer.h[0].mlp.fc_1)
+    use_fast_layers(gpt)
+    assert vars(gpt.transformer.h[0].attn.qkv)["forward"].__func__ is lora_qkv_forward
+    assert vars(gpt.transformer.h[0].mlp.fc_1)["forward"].__func__ is lora_linear_forward
 
 
 def test_chunked_loss_equals_the_whole_loss_with_gradients():
