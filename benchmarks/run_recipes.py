@@ -119,13 +119,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-compiled", "tiny-llama-qlora", GPU + steps(60) + ["--train.compile", "always"]),
         ("full-compiled", "tiny-llama-full", GPU + steps(40) + ["--train.compile", "always"]),
     ],
-    # Issue 5: train.fast_lora on and off (the matmul LoRA layers with the add inside the matmul, against LitGPT's
-    # own LoRA forward), eager with CUDA graphs as the defaults run these recipes.
-    "lora-layers-tiny": [
+    # Issue 5: train.fast_lora (the matmul LoRA layers with the add inside the matmul) and train.fused_rms_norm
+    # (torch's rms_norm) on and off against LitGPT's own layers, eager with CUDA graphs as the defaults run these
+    # recipes; the memory columns check the ledger's new accounting of the fused norm.
+    "layers-tiny": [
         ("lora", "tiny-llama-lora", GPU + steps(40)),
-        ("lora-litgpt-layers", "tiny-llama-lora", GPU + steps(40) + ["--train.fast_lora", "false"]),
+        ("lora-litgpt-lora-layers", "tiny-llama-lora", GPU + steps(40) + ["--train.fast_lora", "false"]),
+        ("lora-litgpt-norm", "tiny-llama-lora", GPU + steps(40) + ["--train.fused_rms_norm", "false"]),
         ("qlora", "tiny-llama-qlora", GPU + steps(40)),
-        ("qlora-litgpt-layers", "tiny-llama-qlora", GPU + steps(40) + ["--train.fast_lora", "false"]),
+        ("qlora-litgpt-lora-layers", "tiny-llama-qlora", GPU + steps(40) + ["--train.fast_lora", "false"]),
+        ("full", "tiny-llama-full", GPU + steps(40)),
+        ("full-litgpt-norm", "tiny-llama-full", GPU + steps(40) + ["--train.fused_rms_norm", "false"]),
+        ("full-mixed", "tiny-llama-full", GPU + steps(40) + ["--precision", "bf16-mixed"]),
     ],
     # Issue 5: after the capture fixes (new shapes captured without a plain warm-up; 4-bit layers' compute dtype
     # settled before compiling; the RNG reset after a failed capture).

@@ -195,7 +195,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f"model: {config.name}, {counts.total:,} parameters, {counts.trainable:,} trainable"
             f" ({100 * counts.trainable / counts.total:.2f}%)"
         )
-        use_fast_layers(gpt, lora=recipe.train.fast_lora)
+        use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -205,6 +205,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f" CUDA graphs {'on' if graphed else 'off'},"
             f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
             f" {'on' if recipe.train.activation_checkpointing else 'off'}"
+            + f", RMSNorm {'fused' if recipe.train.fused_rms_norm else 'LitGPT'}"
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))

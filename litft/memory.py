@@ -186,7 +186,7 @@ def activation_bytes_per_token_layer(
     if compiled is None:
         compiled = recipe.train.compile != "never"
     key = repr((repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets), recipe.lora.dropout,
-                compiled, torch.__version__))
+                compiled, recipe.train.fast_lora, recipe.train.fused_rms_norm, torch.__version__))
     if key not in _TRACE_CACHE:
         _TRACE_CACHE.update(_load_disk_cache())
     if key not in _TRACE_CACHE and cached_only:
@@ -231,9 +231,35 @@ def _save_disk_cache(key: str, value: int) -> None:
         pass  # a read-only home: trace again next time
 
 
-def _trace_block(recipe: Recipe, config, tokens: int):
-    """One block of the recipe's architecture on the CPU with uninitialised weights, and inputs for `tokens`."""
-    from litgpt.model import build_rope_cache
+class _RMSNormAsOnCuda(torch.autograd.Function):
+    """The eager trace's stand-in for torch's rms_norm: it keeps what the fused CUDA kernel keeps for its backward
+    pass (the input, and one fp32 scale per row). On the CPU rms_norm runs as a composite of ops that keep fp32
+    copies of the input, which the GPU never allocates. The trace runs forward only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
+        raise NotImplementedError("_RMSNormAsOnCuda is for counting saved tensors only")
+
+
+def _rms_norm_as_on_cuda(self, x: torch.Tensor) -> torch.Tensor:
+    weight = (1 + self.weight) if self.add_unit_offset else self.weight
+    return _RMSNormAsOnCuda.apply(x, weight, self.eps)
+
+
+def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
+    """One block of the recipe's architecture on the CPU with uninitialised weights, and inputs for `tokens`, with
+    the layers the run uses (model.use_fast_layers; for an eager trace, rms_norm as it behaves on CUDA)."""
+    import types
+
+    from litgpt.model import RMSNorm, build_rope_cache
+
+    from litft.model import use_fast_layers
 
     if recipe.method in ("lora", "qlora"):
         from litgpt.lora import Block, mark_only_lora_as_trainable
@@ -251,6 +277,11 @@ def _trace_block(recipe: Recipe, config, tokens: int):
             p.normal_(0, 0.02)  # finite values: a compiled trace runs real kernels
     if mark_only_lora_as_trainable is not None:
         mark_only_lora_as_trainable(block)
+    use_fast_layers(block, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm)
+    if recipe.train.fused_rms_norm and not compiled:
+        for module in block.modules():
+            if isinstance(module, RMSNorm) and "forward" in vars(module):
+                module.forward = types.MethodType(_rms_norm_as_on_cuda, module)
     block.train()
     x = torch.randn(1, tokens, config.n_embd, dtype=compute, requires_grad=True)
     cos, sin = build_rope_cache(tokens, config.rope_n_elem, device=torch.device("cpu"))
@@ -265,7 +296,7 @@ def _saved_bytes_compiled(recipe: Recipe, config, tokens: int) -> int:
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        block, x, cos, sin = _trace_block(recipe, config, tokens)
+        block, x, cos, sin = _trace_block(recipe, config, tokens, compiled=True)
         saved = {"bytes": 0}
 
         def backward_compiler(gm, example_inputs):

@@ -186,6 +186,11 @@ class TrainConfig:
     over each adapted layer's whole output; conv1d and zero-padding for q, k, v). The same function; false runs
     LitGPT's own layers, for comparison."""
 
+    fused_rms_norm: bool = True
+    """RMSNorm as torch's rms_norm (one fused kernel each way on CUDA, keeping 2 bytes per bf16 element for the
+    backward pass where LitGPT's keeps 8) instead of LitGPT's; the same arithmetic. False runs LitGPT's, for
+    comparison."""
+
     loss_chunk: int = 1024
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so
     (tokens x vocabulary) logits never exist at once. 0: the whole micro-batch at once (fastest, most memory).

@@ -232,3 +232,41 @@ def test_compiled_blocks_keep_to_one_graph_for_every_row_length(tiny_recipe):
             torch.testing.assert_close(grads[name], grads_eager[name], rtol=1e-4, atol=1e-6, msg=name)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_equals_litgpts(dtype):
+    """torch's rms_norm in place of LitGPT's RMSNorm: the same output and gradients (fp32 arithmetic, the weight
+    applied before the cast back), in fp32 and bf16."""
+    from litgpt.model import RMSNorm
+
+    from litft.model import rms_norm_forward
+
+    torch.manual_seed(0)
+    norm = RMSNorm(48, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.2)
+    x = (torch.randn(3, 7, 48) * 3).to(dtype).requires_grad_(True)
+    grad_out = torch.randn(3, 7, 48).to(dtype)
+    results = {}
+    for name, forward in (("litgpt", norm.forward), ("fused", lambda t: rms_norm_forward(norm, t))):
+        out = forward(x)
+        results[name] = (out, *torch.autograd.grad(out, (x, norm.weight), grad_out))
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    assert results["fused"][0].dtype == dtype
+    for fused, reference in zip(results["fused"], results["litgpt"]):
+        torch.testing.assert_close(fused.float(), reference.float(), **tolerance)
+
+
+def test_ledger_counts_what_the_fused_norm_keeps(tiny_recipe):
+    """The eager trace counts the fused norm as CUDA runs it: per token, its bf16 input (2 bytes per element) and one
+    fp32 scale, where LitGPT's norm keeps fp32 copies of the input and of the normalised input (8 bytes per element)
+    and the same scale: 6 x n_embd bytes less per norm, two norms per block."""
+    from litft.memory import activation_bytes_per_token_layer
+    from litft.model import model_config
+
+    fused = tiny_recipe(method="full", precision="bf16-true")
+    litgpt = tiny_recipe(method="full", precision="bf16-true", train={"fused_rms_norm": False})
+    config = model_config(fused)
+    saved_fused = activation_bytes_per_token_layer(fused, config, compiled=False)
+    saved_litgpt = activation_bytes_per_token_layer(litgpt, config, compiled=False)
+    assert saved_litgpt - saved_fused == 2 * 6 * config.n_embd
