@@ -119,18 +119,19 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-compiled", "tiny-llama-qlora", GPU + steps(60) + ["--train.compile", "always"]),
         ("full-compiled", "tiny-llama-full", GPU + steps(40) + ["--train.compile", "always"]),
     ],
-    # Issue 5: train.fast_lora (the matmul LoRA layers with the add inside the matmul) and train.fused_rms_norm
-    # (torch's rms_norm) on and off against LitGPT's own layers, eager with CUDA graphs as the defaults run these
-    # recipes; the memory columns check the ledger's new accounting of the fused norm.
+    # Issue 5: train.fast_lora (the matmul LoRA layers with the add inside the matmul; on by default) and
+    # train.fused_rms_norm (torch's rms_norm; off until measured here) against LitGPT's own layers, eager with CUDA
+    # graphs as the defaults run these recipes; the memory columns check the ledger's accounting of the fused norm.
     "layers-tiny": [
         ("lora", "tiny-llama-lora", GPU + steps(40)),
         ("lora-litgpt-lora-layers", "tiny-llama-lora", GPU + steps(40) + ["--train.fast_lora", "false"]),
-        ("lora-litgpt-norm", "tiny-llama-lora", GPU + steps(40) + ["--train.fused_rms_norm", "false"]),
+        ("lora-fused-norm", "tiny-llama-lora", GPU + steps(40) + ["--train.fused_rms_norm", "true"]),
         ("qlora", "tiny-llama-qlora", GPU + steps(40)),
         ("qlora-litgpt-lora-layers", "tiny-llama-qlora", GPU + steps(40) + ["--train.fast_lora", "false"]),
         ("full", "tiny-llama-full", GPU + steps(40)),
-        ("full-litgpt-norm", "tiny-llama-full", GPU + steps(40) + ["--train.fused_rms_norm", "false"]),
-        ("full-mixed", "tiny-llama-full", GPU + steps(40) + ["--precision", "bf16-mixed"]),
+        ("full-fused-norm", "tiny-llama-full", GPU + steps(40) + ["--train.fused_rms_norm", "true"]),
+        ("full-mixed-fused-norm", "tiny-llama-full", GPU + steps(40) + ["--precision", "bf16-mixed",
+                                                                        "--train.fused_rms_norm", "true"]),
     ],
     # Issue 5: after the capture fixes (new shapes captured without a plain warm-up; 4-bit layers' compute dtype
     # settled before compiling; the RNG reset after a failed capture).

@@ -186,10 +186,11 @@ class TrainConfig:
     over each adapted layer's whole output; conv1d and zero-padding for q, k, v). The same function; false runs
     LitGPT's own layers, for comparison."""
 
-    fused_rms_norm: bool = True
-    """RMSNorm as torch's rms_norm (one fused kernel each way on CUDA, keeping 2 bytes per bf16 element for the
-    backward pass where LitGPT's keeps 8) instead of LitGPT's; the same arithmetic. False runs LitGPT's, for
-    comparison."""
+    fused_rms_norm: bool = False
+    """RMSNorm as torch's rms_norm (one fused kernel each way on CUDA, keeping the bf16 input and an fp32 scale per
+    row for the backward pass where LitGPT's keeps fp32 copies: TinyLlama full 106,632 -> 82,056 activation bytes
+    per token and block by the ledger's trace, LoRA 122,440 -> 114,248) instead of LitGPT's; the same arithmetic.
+    Off by default until benchmarks' set:layers-tiny has measured its speed and memory on the GPU."""
 
     loss_chunk: int = 1024
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so
