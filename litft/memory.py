@@ -291,6 +291,7 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
 def _saved_bytes_compiled(recipe: Recipe, config, tokens: int) -> int:
     """What a torch.compile'd block saves: the inputs of its backward graph (not the incoming gradients), as
     partitioned by inductor's min-cut rematerialisation, without generating any code."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -304,9 +305,9 @@ def _saved_bytes_compiled(recipe: Recipe, config, tokens: int) -> int:
                 value = node.meta.get("val")
                 if node.op == "placeholder" and not node.name.startswith("tangents") and isinstance(value, torch.Tensor):
                     saved["bytes"] += value.numel() * value.element_size()
-            return gm
+            return make_boxed_func(gm)
 
-        backend = aot_autograd(fw_compiler=lambda gm, inputs: gm, bw_compiler=backward_compiler,
+        backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm), bw_compiler=backward_compiler,
                                partition_fn=min_cut_rematerialization_partition)
         torch._dynamo.reset()
         with _autocast(recipe, x.dtype):
