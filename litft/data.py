@@ -883,8 +883,7 @@ def largest_batches(
                             "labels": torch.full((n,), pad_id, dtype=torch.int64)} for n in sizes])
 
     batches = [stand_in(longest), stand_in([max(1, longest[0] - 256)] + longest[1:])]
-    packed = batches[0]["input_ids"].shape[0] == 1 and "cu_seqlens" in batches[0]
-    if packed and widths > 2:
+    if "cu_seqlens" in batches[0] and widths > 2:  # packed rows: (1, width) each
         # a row of exactly `width` positions: the longest samples cut to fill it (so no more samples than a real
         # micro-batch has, and cu_seqlens keeps its length)
         for width in range(batches[1]["input_ids"].shape[1] - GRAPH_MULTIPLE, 0, -GRAPH_MULTIPLE):

@@ -527,10 +527,10 @@ class GraphedMicroSteps:
     need a second set of activations beside the graphs' pool; if that capture fails (a recompile for the new shape,
     say), the shape warms up plainly and is captured again. Micro-batches of a captured shape copy their tensors
     into the graph's inputs and replay it. Backward adds into the gradients in place, at the addresses captured, so
-    the loop zeroes gradients in place (keeps_gradients). The scale 1/denominator is a device tensor filled before each
-    replay (a plain number would be frozen into the graph). All graphs share one memory pool: they never run at the
-    same time, and each one's output is copied out before the next replay. If a capture after warm-up fails (an op
-    that cannot be captured), the run says why once and continues plainly.
+    the loop zeroes gradients in place (keeps_gradients). The scale 1/denominator is a device tensor filled before
+    each replay (a plain number would be frozen into the graph). All graphs share one memory pool: they never run
+    at the same time, and each one's output is copied out before the next replay. If a capture after warm-up fails
+    (an op that cannot be captured), the run says why once and continues plainly.
     """
 
     keeps_gradients = True
@@ -570,10 +570,7 @@ class GraphedMicroSteps:
                     p.grad = torch.zeros_like(p)
         with torch.random.fork_rng(devices=[device]):
             inputs = [model_inputs(batch, device) for batch in batches]
-            for batch_inputs in inputs[:2]:  # the largest shape and the next smaller: the rest are only captured
-                for _ in range(self.WARMUP):
-                    self.plain(batch_inputs, 1.0)
-            self._zero_gradients()
+            self._warm_up(inputs[:2])  # the largest shape and the next smaller: the rest are only captured
             if not self._capture(self.key(inputs[0]), inputs[0], last_try=True):
                 return
             self.pool_tokens = int(batches[0]["tokens_padded"])
@@ -582,14 +579,16 @@ class GraphedMicroSteps:
                 if key in self.graphs or self._capture(key, batch_inputs, last_try=False):
                     continue
                 self.retries += 1  # as in training: warm this shape up plainly, then capture it
-                for _ in range(self.WARMUP):
-                    self.plain(batch_inputs, 1.0)
-                self._zero_gradients()
+                self._warm_up([batch_inputs])
                 if not self._capture(key, batch_inputs, last_try=True):
                     return
             self.captured_before_training = len(self.graphs)
 
-    def _zero_gradients(self) -> None:
+    def _warm_up(self, inputs: list[dict]) -> None:
+        """WARMUP plain micro-steps on each stand-in, then their gradients zeroed: they are not training."""
+        for batch_inputs in inputs:
+            for _ in range(self.WARMUP):
+                self.plain(batch_inputs, 1.0)
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -769,11 +768,12 @@ def worst_case_tokens(recipe: Recipe, lengths: torch.Tensor) -> int:
 
     b = min(recipe.loader_batch_size, len(lengths))
     longest = torch.sort(lengths, descending=True).values[:b]
+    if not recipe.data.packing:
+        return int(longest[0]) * recipe.train.micro_batch_size
+    positions = int(longest.sum())
     if recipe.packs_steps:
-        return int(-(-min(int(longest.sum()), recipe.step_capacity) // PACK_MULTIPLE) * PACK_MULTIPLE)
-    if recipe.data.packing:
-        return int(-(-int(longest.sum()) // PACK_MULTIPLE) * PACK_MULTIPLE)
-    return int(longest[0]) * recipe.train.micro_batch_size
+        positions = min(positions, recipe.step_capacity)
+    return -(-positions // PACK_MULTIPLE) * PACK_MULTIPLE
 
 
 def predict_memory(recipe: Recipe, config, tokens: int, compiled: bool):

@@ -248,8 +248,9 @@ class _RMSNormAsOnCuda(torch.autograd.Function):
 
 
 def _rms_norm_as_on_cuda(self, x: torch.Tensor) -> torch.Tensor:
-    weight = (1 + self.weight) if self.add_unit_offset else self.weight
-    return _RMSNormAsOnCuda.apply(x, weight, self.eps)
+    from litft.model import rms_norm_weight
+
+    return _RMSNormAsOnCuda.apply(x, rms_norm_weight(self), self.eps)
 
 
 def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):

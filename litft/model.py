@@ -371,13 +371,17 @@ def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _add_low_rank(pretrained, after_a, torch.cat(blocks, dim=0)).view(*x.shape[:-1], -1)
 
 
+def rms_norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    """The scale a LitGPT RMSNorm multiplies by: its weight, or 1 + weight with add_unit_offset (Gemma)."""
+    return (1 + norm.weight) if norm.add_unit_offset else norm.weight
+
+
 def rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LitGPT's RMSNorm as torch's rms_norm: on CUDA one fused kernel each way, which keeps its input and one fp32
     scale per row for the backward pass, where LitGPT's version runs ~5 kernels forward and keeps two fp32 copies of
     the input (8 bytes per element instead of 2 in bf16). The same arithmetic: in fp32, the weight applied before
     the cast back to the input's dtype."""
-    weight = (1 + self.weight) if self.add_unit_offset else self.weight
-    return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+    return F.rms_norm(x, (x.shape[-1],), rms_norm_weight(self), self.eps)
 
 
 def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True) -> None:
