@@ -269,9 +269,9 @@ def main() -> int:
 
     env = environment()
     rows = []
-    for name, recipe, overrides, *env in SETS[args.set]:  # an optional 4th item: environment variables for the run
+    for name, recipe, overrides, *run_env in SETS[args.set]:  # an optional 4th item: environment variables for the run
         print(f"[{args.set}] {name} ...", flush=True)
-        rows.append(run_one(name, recipe, overrides, args.out, args.timeout, env[0] if env else None))
+        rows.append(run_one(name, recipe, overrides, args.out, args.timeout, run_env[0] if run_env else None))
         print(f"    exit {rows[-1]['exit_code']} in {rows[-1]['wall_s']:.0f}s {rows[-1]['message'][:120]}", flush=True)
         write_report(args, env, rows)  # after every run: a time-out keeps what finished
     print(write_report(args, env, rows))
