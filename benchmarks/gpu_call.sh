@@ -4,7 +4,7 @@
 #   steps: env | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles,graph_breaks
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
 START=$SECONDS
 RESULTS=${OUT:-out/gpu}; mkdir -p "$RESULTS"

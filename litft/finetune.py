@@ -34,6 +34,7 @@ from litft.model import (
     merge_lora_checkpoint,
     model_config,
     trainable_state_dict,
+    settle_4bit_compute_dtype,
     write_checkpoint_files,
 )
 from litft.progress import Progress, print_summary
@@ -208,6 +209,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + f", RMSNorm {'fused' if recipe.train.fused_rms_norm else 'LitGPT'}"
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
+        settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
 
         # data.pack_steps: the sampler hands out a step's samples at once (the same samples per step, in the same

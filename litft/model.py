@@ -129,15 +129,14 @@ def build_model(fabric, recipe: Recipe, config) -> torch.nn.Module:
             init_adapters(model)
     if mark_only_lora_as_trainable is not None:
         mark_only_lora_as_trainable(model)
-    settle_4bit_compute_dtype(model, recipe.precision)
     return model
 
 
 def settle_4bit_compute_dtype(model: torch.nn.Module, precision: str) -> None:
     """Mark bitsandbytes 4-bit layers' compute dtype as settled when the inputs will be in that dtype anyway.
 
-    Why: Fabric's BitsandbytesPrecision sets each layer's compute_dtype and clears compute_type_is_set; the layer's
-    first forward sets the flag (choosing the input's dtype, which under '-true' precision is that same dtype). The
+    Call it after fabric.setup_module: Fabric's BitsandbytesPrecision (convert_module, run by setup_module) sets each
+    layer's compute_dtype and clears compute_type_is_set; the layer's first forward sets the flag (choosing the input's dtype, which under '-true' precision is that same dtype). The
     flag is an attribute the compiled block's guards read, so flipping it recompiles every block once, and a
     recompile while a CUDA graph is being captured makes the capture fail."""
     if not precision.endswith("-true"):

@@ -29,7 +29,7 @@ def test_the_batch_size_lab_runs_on_the_cpu(tmp_path, monkeypatch, capsys):
 
 
 def test_the_speed_choices_lab_runs_on_the_cpu(tmp_path, monkeypatch, capsys):
-    """One run per choice (the CPU's four: LoRA layers on and off, packing off, pack_steps off, fused norm on); the
+    """One run per choice (the CPU's four: LoRA layers on and off, packing off, pack_steps off, fused norm off); the
     same samples per step in each, so the same loss up to rounding."""
     monkeypatch.setenv("LAB_STEPS", "3")
     monkeypatch.setenv("LAB_OUT", str(tmp_path / "lab"))
