@@ -445,7 +445,7 @@ def fit(
             progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
 
 
-COMPILE_PAYS_OFF_S = 60.0
+COMPILE_PAYS_OFF_S = 120.0
 """Seconds of work at the GPU's peak FLOP/s above which 'auto' compiles a run that replays CUDA graphs (see
 use_compile)."""
 
@@ -456,12 +456,13 @@ def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[b
     'auto': never on the CPU (inductor's C++ compile costs minutes for little gain); always on CUDA without CUDA
     graphs (compiling then also cuts the host's launch overhead: TinyLlama LoRA 13,899 vs 8,662 real tok/s on the
     H100, benchmarks/results/ablation-tiny*). With CUDA graphs the host overhead is gone, and compiling only makes
-    the kernels faster: TinyLlama LoRA's median step 109.0 -> 73.5 ms (~3,900 tokens: 9.1 us saved per token), for
-    ~90 s more process time (124 vs ~32 s; that run compiled the block 4 times, since fixed to once, and the
-    smaller cost is not measured yet). Rule: the saving is taken as work / peak seconds (4.6 us per TinyLlama LoRA
-    token at the H100's peak: half the measured saving, a margin for the models and GPUs not measured), so compile
-    when the planned work at the peak FLOP/s exceeds COMPILE_PAYS_OFF_S. Work = planned tokens x FLOPs per token
-    (6 per trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out)."""
+    the kernels faster. Measured on the H100 (benchmarks/results/compile-tiny, layers-tiny): TinyLlama LoRA's median
+    step 84.3 ms eager with the fused norm, 69.3 ms compiled (~3,900 tokens per step: 3.8 us saved per token), for
+    68 s more process time (94 vs 26 s). A TinyLlama LoRA token is 4.6 us of work at the H100's peak, so compiling
+    breaks even at 68 s / 3.8 us = 18M tokens = 82 s of work at peak; 'auto' compiles above COMPILE_PAYS_OFF_S, half
+    as much again (a margin for the models and GPUs not measured): about two epochs of Alpaca's 52k rows. Work =
+    planned tokens x FLOPs per token (6 per trainable and 4 per frozen weight: metrics.FlopModel's rule, attention
+    left out)."""
     mode = recipe.train.compile
     if mode != "auto":
         return mode == "always", ""
@@ -707,7 +708,10 @@ class StepProfiler:
         if not torch.cuda.is_available():
             self.say("memory snapshot: CUDA only (the allocator history is the CUDA caching allocator's); skipped")
             return
-        torch.cuda.memory._record_memory_history(max_entries=self.SNAPSHOT_ENTRIES)
+        # Python stacks only: with C++ stacks too (torch's default), TinyLlama full bf16-mixed stopped in the backward
+        # pass's recompute of a loss chunk with "SystemError: cross_entropy_loss returned NULL without setting an
+        # exception" (H100, torch 2.11; benchmarks/results/memory-tiny). The Python frames are what memory_viz shows.
+        torch.cuda.memory._record_memory_history(max_entries=self.SNAPSHOT_ENTRIES, stacks="python")
         self._recording = True
 
     def dump_snapshot(self, why: str) -> None:

@@ -198,12 +198,17 @@ def test_a_failed_capture_leaves_random_ops_usable():
     assert 0 < int((kept != 0).sum()) < 64
 
 
-def test_memory_snapshot_holds_the_allocator_history_to_the_step(tiny_recipe, tmp_path):
-    """Issue 3: logging.memory_snapshot writes the allocator's history (graph pool included) for pytorch.org/memory_viz."""
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_memory_snapshot_holds_the_allocator_history_to_the_step(tiny_recipe, tmp_path, precision):
+    """Issue 3: logging.memory_snapshot writes the allocator's history (graph pool included) for pytorch.org/memory_viz.
+    bf16-mixed with the loss in small chunks (each recomputed in the backward pass) is the case that stopped with a
+    SystemError while C++ stacks were recorded (benchmarks/results/memory-tiny)."""
     import pickle
 
     run = litft.finetune(_gpu_recipe(tiny_recipe, out_dir=str(tmp_path / "run"), logging={"memory_snapshot": 2},
-                                     train={"compile": "never", "cuda_graphs": "always", "max_steps": 4}))
+                                     precision=precision,
+                                     train={"compile": "never", "cuda_graphs": "always", "max_steps": 4,
+                                            "loss_chunk": 16}))
     snapshot = pickle.loads((run.out_dir / "memory_snapshot.pickle").read_bytes())
     assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])
     # recording stopped at step 2: a later snapshot of this process has no history
