@@ -270,3 +270,27 @@ def test_ledger_counts_what_the_fused_norm_keeps(tiny_recipe):
     saved_fused = activation_bytes_per_token_layer(fused, config, compiled=False)
     saved_litgpt = activation_bytes_per_token_layer(litgpt, config, compiled=False)
     assert saved_litgpt - saved_fused == 2 * 6 * config.n_embd
+
+
+def test_4bit_compute_dtype_is_settled_after_fabrics_conversion(tiny_recipe):
+    """QLoRA compiled: Fabric's BitsandbytesPrecision.convert_module (run by fabric.setup_module) sets each 4-bit
+    layer's compute dtype and clears compute_type_is_set, a flag the compiled block's guards read; its flip on the
+    first forward recompiled every block on the H100 (benchmarks/results/compile-tiny, qlora-compiled). Settled after
+    the conversion, the flag stays set; settled before it, the conversion clears it again."""
+    pytest.importorskip("bitsandbytes")
+    from lightning.fabric.plugins.precision.bitsandbytes import BitsandbytesPrecision
+
+    from litft.model import settle_4bit_compute_dtype
+
+    def flags(model):
+        return {getattr(m, "compute_type_is_set") for m in model.modules() if hasattr(m, "compute_type_is_set")}
+
+    gpt = _lora_gpt(tiny_recipe, ["q", "v", "mlp"])
+    plugin = BitsandbytesPrecision("nf4", dtype=torch.bfloat16)
+    settle_4bit_compute_dtype(plugin.convert_module(gpt), "bf16-true")
+    assert flags(gpt) == {True}
+    settle_4bit_compute_dtype(gpt, "bf16-true")
+    plugin.convert_module(gpt)  # what setup_module does after the model was built
+    assert flags(gpt) == {False}
+    settle_4bit_compute_dtype(gpt, "bf16-mixed")  # under autocast the layer chooses from its first input
+    assert flags(gpt) == {False}
