@@ -229,9 +229,18 @@ def predicted(memory: dict) -> str:
     return f"{p['total_gib']:.2f}{error}"
 
 
+def warmup(result: dict) -> str:
+    """The warm-up phase, and the part of it spent in plain warm-up micro-steps and in graph captures."""
+    graphs = result["cuda_graphs"]
+    split = (f" ({graphs['plain_warmup_s']:.1f} + {graphs['capture_s']:.1f})"
+             if graphs.get("on") and "capture_s" in graphs else "")
+    return f"{result['phases_s'].get('warmup', 0.0):.1f}{split}"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| run | exit | steps | tok/s (real) | tok/s/GPU | padded tok/s | MFU | median step | peak alloc GiB |"
-            " peak reserved GiB | predicted GiB (error) | loss first -> last | warm-up s | process s | compiled graphs |"
+            " peak reserved GiB | predicted GiB (error) | loss first -> last | warm-up s (plain + captures) | process s |"
+            " compiled graphs |"
             " graph shapes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
@@ -248,7 +257,7 @@ def table(rows: list[dict]) -> str:
             f"| {row['name']} | {row['exit_code']} | {r['steps']} | {t['tokens_per_sec']:,.0f} |"
             f" {t['tokens_per_sec_per_device']:,.0f} | {t['padded_tokens_per_sec']:,.0f} | {mfu} |"
             f" {t['median_step_time_s'] * 1000:.1f} ms | {alloc} | {reserved} | {predicted(m)} |"
-            f" {lo['train_first']:.3f} -> {lo['train_last']:.3f} | {r['phases_s'].get('warmup', 0.0):.1f} |"
+            f" {lo['train_first']:.3f} -> {lo['train_last']:.3f} | {warmup(r)} |"
             f" {row['wall_s']:.0f} | {(r.get('compile') or {}).get('unique_graphs', 'n/a')} |"
             f" {r['cuda_graphs'].get('shapes_captured', 'off') if r['cuda_graphs'].get('on') else 'off'} |"
         )

@@ -553,6 +553,8 @@ class GraphedMicroSteps:
         self.failed = False
         self.pool_tokens = 0  # positions of the largest captured micro-batch: what sized the graphs' pool
         self.captured_before_training = 0  # shapes prepare() captured
+        self.plain_warmup_s = 0.0  # wall seconds of the plain warm-up micro-steps (prepare's and retries')
+        self.capture_s = 0.0  # wall seconds of the captures, graph instantiation included
 
     def prepare(self, batches: list[dict]) -> None:
         """Before training: warm up plainly on the first two stand-in batches (largest first;
@@ -589,6 +591,7 @@ class GraphedMicroSteps:
 
     def _warm_up(self, inputs: list[dict]) -> None:
         """WARMUP plain micro-steps on each stand-in, then their gradients zeroed: they are not training."""
+        start = time.perf_counter()
         for batch_inputs in inputs:
             for _ in range(self.WARMUP):
                 self.plain(batch_inputs, 1.0)
@@ -596,6 +599,8 @@ class GraphedMicroSteps:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
+        torch.cuda.synchronize()
+        self.plain_warmup_s += time.perf_counter() - start
 
     @staticmethod
     def key(inputs: dict) -> tuple:
@@ -629,6 +634,7 @@ class GraphedMicroSteps:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # plain runs' activations go back; the graphs' pool holds theirs
         graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
         try:
             # thread_local: the DataLoader's pin-memory thread keeps calling CUDA during the capture (it touches
             # no captured stream); the default mode ("global") makes those calls fail the capture
@@ -636,6 +642,7 @@ class GraphedMicroSteps:
                 static_loss = self.model(**static_inputs)
                 self.fabric.backward(static_loss * self.scale)
         except Exception as err:  # noqa: BLE001 - any capture failure: retry after a warm-up, or fall back
+            self.capture_s += time.perf_counter() - start
             reset_capture_state()
             if not last_try:
                 return False
@@ -645,6 +652,7 @@ class GraphedMicroSteps:
             self.say(f"CUDA graphs off for the rest of the run: capturing a micro-step failed ({self.failure});"
                      " set train.cuda_graphs: never to skip the attempt")
             return False
+        self.capture_s += time.perf_counter() - start
         self.graphs[key] = (graph, static_inputs, static_loss.detach())
         return True
 
@@ -653,7 +661,8 @@ class GraphedMicroSteps:
         return {"on": not self.failed, "shapes_captured": len(self.graphs),
                 "captured_before_training": self.captured_before_training, "replays": self.replays,
                 "plain_micro_batches": sum(self.warming.values()), "retried_captures": self.retries,
-                "failure": self.failure, "pool_tokens": self.pool_tokens if not self.failed else 0}
+                "failure": self.failure, "pool_tokens": self.pool_tokens if not self.failed else 0,
+                "plain_warmup_s": round(self.plain_warmup_s, 3), "capture_s": round(self.capture_s, 3)}
 
 
 def reset_capture_state() -> None:

@@ -156,6 +156,9 @@ def test_cuda_graph_replays_give_the_losses_of_plain_steps(tiny_recipe, tmp_path
     assert graphs["on"] and graphs["failure"] is None and graphs["shapes_captured"] >= 1
     # packed rows (rows of 256, with pack_steps also 512 positions): every width was captured before the first step
     assert graphs["captured_before_training"] == graphs["shapes_captured"]
+    warmup = runs["always"].result["phases_s"]["warmup"]
+    assert 0 < graphs["plain_warmup_s"] and 0 < graphs["capture_s"]
+    assert graphs["plain_warmup_s"] + graphs["capture_s"] <= warmup
     micro_batches = runs["always"].result["batch"]["micro_batches_run"]
     assert micro_batches == runs["never"].result["batch"]["micro_batches_run"]
     steps = runs["always"].result["steps"]
