@@ -172,6 +172,8 @@ def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_
 # ----------------------------------------------------------------------------------------------------------------------
 
 _TRACE_CACHE: dict[tuple, int] = {}
+_TRACE_VERSION = 2  # part of the cache key: bumped when the trace itself changes, so older results are not reused
+# (2: the block's input in the parameters' dtype, autocast in the compute dtype: -mixed keeps fp32 norm inputs)
 
 
 def activation_bytes_per_token_layer(
@@ -185,8 +187,8 @@ def activation_bytes_per_token_layer(
     traced through aot_autograd with inductor's own partitioner; results are cached on disk by configuration."""
     if compiled is None:
         compiled = recipe.train.compile != "never"
-    key = repr((repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets), recipe.lora.dropout,
-                compiled, recipe.train.fast_lora, recipe.train.fused_rms_norm, torch.__version__))
+    key = repr((_TRACE_VERSION, repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets),
+                recipe.lora.dropout, compiled, recipe.train.fast_lora, recipe.train.fused_rms_norm, torch.__version__))
     if key not in _TRACE_CACHE:
         _TRACE_CACHE.update(_load_disk_cache())
     if key not in _TRACE_CACHE and cached_only:
@@ -284,7 +286,9 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
             if isinstance(module, RMSNorm) and "forward" in vars(module):
                 module.forward = types.MethodType(_rms_norm_as_on_cuda, module)
     block.train()
-    x = torch.randn(1, tokens, config.n_embd, dtype=compute, requires_grad=True)
+    # the residual stream has the embedding's dtype: the parameters' (fp32 under -mixed, where each norm then keeps
+    # an fp32 input for the backward pass; a 16-bit stand-in undercounted that and kept rms_norm from its fused path)
+    x = torch.randn(1, tokens, config.n_embd, dtype=param_dtype, requires_grad=True)
     cos, sin = build_rope_cache(tokens, config.rope_n_elem, device=torch.device("cpu"))
     return block, x, cos.unsqueeze(0).to(compute), sin.unsqueeze(0).to(compute)
 
@@ -311,7 +315,7 @@ def _saved_bytes_compiled(recipe: Recipe, config, tokens: int) -> int:
         backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm), bw_compiler=backward_compiler,
                                partition_fn=min_cut_rematerialization_partition)
         torch._dynamo.reset()
-        with _autocast(recipe, x.dtype):
+        with _autocast(recipe):
             out = torch.compile(block, backend=backend, dynamic=False)(x, cos, sin)
         out.float().sum().backward()
         torch._dynamo.reset()
@@ -337,14 +341,15 @@ def _saved_bytes(recipe: Recipe, config, tokens: int) -> int:
                 saved[ptr] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(recipe, x.dtype):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(recipe):
             block(x, cos, sin)
     return sum(saved.values())
 
 
-def _autocast(recipe: Recipe, dtype: torch.dtype):
+def _autocast(recipe: Recipe):
     """-mixed precision traces under CPU autocast (16-bit matmuls over fp32 weights); others need no context."""
-    return torch.autocast("cpu", dtype=dtype) if recipe.precision.endswith("-mixed") else contextlib.nullcontext()
+    mixed = recipe.precision.endswith("-mixed")
+    return torch.autocast("cpu", dtype=_compute_dtype(recipe.precision)) if mixed else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -294,3 +294,20 @@ def test_4bit_compute_dtype_is_settled_after_fabrics_conversion(tiny_recipe):
     assert flags(gpt) == {False}
     settle_4bit_compute_dtype(gpt, "bf16-mixed")  # under autocast the layer chooses from its first input
     assert flags(gpt) == {False}
+
+
+def test_ledger_traces_mixed_precision_with_an_fp32_residual_stream(tiny_recipe):
+    """Under -mixed the residual stream has the fp32 embedding's dtype: each norm keeps an fp32 input (4 bytes per
+    element where bf16-true keeps 2) and autocast casts the second norm's output once for fc_1 and once for fc_2
+    (bf16-true saves one tensor for both): 2 x 2 x n_embd + 2 x n_embd bytes more per token and block. The trace
+    used to feed a bf16 input, which undercounted this (and kept rms_norm off its fused path)."""
+    from litft.memory import activation_bytes_per_token_layer
+    from litft.model import model_config
+
+    mixed = tiny_recipe(method="full", precision="bf16-mixed")
+    true = tiny_recipe(method="full", precision="bf16-true")
+    config = model_config(mixed)
+    assert config.mlp_class_name == "LLaMAMLP"
+    extra = activation_bytes_per_token_layer(mixed, config, compiled=False) - activation_bytes_per_token_layer(
+        true, config, compiled=False)
+    assert extra == 2 * 2 * config.n_embd + 2 * config.n_embd
