@@ -70,6 +70,16 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-micro16", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.micro_batch_size", "16"]),
         ("full", "tiny-llama-full", GPU + steps(12) + PROFILE),
     ],
+    # Issue 5: where the defaults' step goes since fast_lora and the fused norm (LoRA 84.3 ms for ~3,900 tokens, of
+    # which the matmuls need ~30 ms at 600 TFLOP/s). With graphs the profiler sees the replays' kernels; without
+    # them (plain) it also names the ops that launched them.
+    "profile-tiny-2": [
+        ("lora", "tiny-llama-lora", GPU + steps(12) + PROFILE),
+        ("lora-plain", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.cuda_graphs", "never",
+                                                                        "--train.compile", "never"]),
+        ("full-plain", "tiny-llama-full", GPU + steps(12) + PROFILE + ["--train.cuda_graphs", "never",
+                                                                        "--train.compile", "never"]),
+    ],
     # Issue 5: CUDA graphs of the micro-step on and off (each run also reports compile + capture in its first steps).
     "graphs-tiny": [
         ("lora", "tiny-llama-lora", GPU + steps(25)),
