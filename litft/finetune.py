@@ -33,8 +33,8 @@ from litft.model import (
     use_fast_layers,
     merge_lora_checkpoint,
     model_config,
-    trainable_state_dict,
     settle_4bit_compute_dtype,
+    trainable_state_dict,
     write_checkpoint_files,
 )
 from litft.progress import Progress, print_summary

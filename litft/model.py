@@ -136,9 +136,10 @@ def settle_4bit_compute_dtype(model: torch.nn.Module, precision: str) -> None:
     """Mark bitsandbytes 4-bit layers' compute dtype as settled when the inputs will be in that dtype anyway.
 
     Call it after fabric.setup_module: Fabric's BitsandbytesPrecision (convert_module, run by setup_module) sets each
-    layer's compute_dtype and clears compute_type_is_set; the layer's first forward sets the flag (choosing the input's dtype, which under '-true' precision is that same dtype). The
-    flag is an attribute the compiled block's guards read, so flipping it recompiles every block once, and a
-    recompile while a CUDA graph is being captured makes the capture fail."""
+    layer's compute_dtype and clears compute_type_is_set; the layer's first forward sets the flag (choosing the
+    input's dtype, which under '-true' precision is that same dtype). The flag is an attribute the compiled block's
+    guards read, so flipping it recompiles every block once, and a recompile while a CUDA graph is being captured
+    makes the capture fail."""
     if not precision.endswith("-true"):
         return  # under autocast the inputs may be float32, and the layer should see them to choose
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}.get(precision)
