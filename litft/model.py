@@ -300,6 +300,7 @@ def _varlen_causal_kwargs() -> dict | None:
 
 
 _VARLEN_KWARGS = _varlen_causal_kwargs()
+VARLEN_DEVICES = ("cuda",)  # where packed rows use torch's varlen op (tests add "cpu" with reference kernels)
 
 
 def packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
@@ -310,7 +311,7 @@ def packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         return type(self).scaled_dot_product_attention(self, q, k, v, mask)
     scale = 1.0 / math.sqrt(self.config.attention_scores_scalar or self.config.head_size) * self.mscale**2
     _, heads, n, head_size = q.shape
-    if q.is_cuda and _VARLEN_KWARGS is not None:
+    if q.device.type in VARLEN_DEVICES and _VARLEN_KWARGS is not None:
         from torch.nn.attention.varlen import varlen_attn
 
         # (1, H, N, D) -> (N, H, D): a view, the last dimension stays contiguous as flash attention needs

@@ -311,3 +311,93 @@ def test_ledger_traces_mixed_precision_with_an_fp32_residual_stream(tiny_recipe)
     extra = activation_bytes_per_token_layer(mixed, config, compiled=False) - activation_bytes_per_token_layer(
         true, config, compiled=False)
     assert extra == 2 * 2 * config.n_embd + 2 * config.n_embd
+
+
+_REFERENCE_VARLEN_REGISTERED = False
+_REFERENCE_VARLEN_CALLS = {"forward": 0, "backward": 0}
+
+
+def _register_reference_varlen_kernels() -> None:
+    """CPU kernels for torch's varlen attention ops: causal attention within each cu_seqlens segment, in fp32, with
+    the backward pass written out. With them the CPU runs packed_attention's CUDA branch (its layouts, and its graph
+    under torch.compile); on CUDA the flash kernels run instead. Registered once per process."""
+    global _REFERENCE_VARLEN_REGISTERED
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    if _REFERENCE_VARLEN_REGISTERED:
+        return
+
+    def probabilities(q, k, scale):  # q, k: (L, H, D) -> (H, L, L), causal
+        scores = (q.transpose(0, 1) @ k.transpose(0, 1).transpose(1, 2)) * scale
+        causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1)
+
+    def segments(cu):
+        return [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
+
+    def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, *rest):
+        assert is_causal
+        _REFERENCE_VARLEN_CALLS["forward"] += 1
+        out = torch.zeros_like(query)
+        for a, b in segments(cu_seq_q):
+            q, k, v = (t[a:b].float() for t in (query, key, value))
+            out[a:b] = (probabilities(q, k, scale) @ v.transpose(0, 1)).transpose(0, 1).to(out.dtype)
+        lse = torch.zeros(query.shape[1], query.shape[0])
+        return out, lse, torch.zeros(2, dtype=torch.int64)
+
+    def backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state,
+                 scale=None, window_size=None):
+        _REFERENCE_VARLEN_CALLS["backward"] += 1
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for a, b in segments(cu_seq_q):
+            q, k, v, g = (t[a:b].float() for t in (query, key, value, grad_out))
+            p = probabilities(q, k, scale)  # (H, L, L)
+            g_heads = g.transpose(0, 1)  # (H, L, D)
+            dv[a:b] = (p.transpose(1, 2) @ g_heads).transpose(0, 1).to(dv.dtype)
+            dp = g_heads @ v.transpose(0, 1).transpose(1, 2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+            dq[a:b] = (ds @ k.transpose(0, 1)).transpose(0, 1).to(dq.dtype)
+            dk[a:b] = (ds.transpose(1, 2) @ q.transpose(0, 1)).transpose(0, 1).to(dk.dtype)
+        return dq, dk, dv
+
+    varlen._varlen_attn.register_kernel("cpu")(forward)
+    varlen._varlen_attn_backward.register_kernel("cpu")(backward)
+    _REFERENCE_VARLEN_REGISTERED = True
+
+
+def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compiles_to_one_graph(
+        tiny_recipe, monkeypatch):
+    """packed_attention's CUDA branch (torch's varlen op; CPU tests otherwise take the masked-SDPA branch), run on the
+    CPU with reference kernels: the same loss and gradients as the masked branch, eager and compiled, and one
+    compiled graph of the block for rows of every length (aot_eager: dynamo's graphs and guards, no kernels)."""
+    from torch._dynamo.utils import counters
+
+    import litft.model
+    from litft.model import _VARLEN_KWARGS, compile_blocks
+
+    if _VARLEN_KWARGS is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    _register_reference_varlen_kernels()
+    _REFERENCE_VARLEN_CALLS.update(forward=0, backward=0)
+    gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
+    use_fast_layers(gpt)
+    masked = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
+    monkeypatch.setattr(litft.model, "VARLEN_DEVICES", ("cuda", "cpu"))
+    eager = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(gpt, backend="aot_eager")
+    compiled = CausalLM(gpt, loss_chunk=0, max_seq_length=64, compiled=True)
+    for lengths in ([37, 12, 50, 5], [40, 30, 26], [20, 12]):
+        batch = collate_packed(_samples(lengths), pad_id=0, multiple=64, segments=5)
+        monkeypatch.setattr(litft.model, "VARLEN_DEVICES", ("cuda",))
+        loss_masked, grads_masked = _loss_and_grads(masked, batch)
+        monkeypatch.setattr(litft.model, "VARLEN_DEVICES", ("cuda", "cpu"))
+        for model in (eager, compiled):
+            loss, grads = _loss_and_grads(model, batch)
+            torch.testing.assert_close(loss, loss_masked, rtol=1e-5, atol=1e-5)
+            for name in grads_masked:
+                torch.testing.assert_close(grads[name], grads_masked[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert counters["stats"]["unique_graphs"] == 1, (dict(counters["stats"]), dict(counters["graph_break"]))
+    # the varlen branch ran: 3 batches x 2 models x the tiny model's blocks, forward and backward
+    assert _REFERENCE_VARLEN_CALLS["forward"] == _REFERENCE_VARLEN_CALLS["backward"] == 3 * 2 * gpt.config.n_layer
+    torch._dynamo.reset()
