@@ -65,6 +65,7 @@ TRAIN_ROWS, VAL_ROWS = 1024, 48
 DATA_SEEDS = {"train": 0, "val": 1}
 WEIGHTS_SEED = 0
 LITGPT_DATA_SEED = 42  # litgpt.data.JSON's default shuffle seed; passed explicitly, and used to replay its order
+STEADY_SKIP_STEPS = 2  # litft's logging.skip_steps default: the optimizer steps left out of the steady state
 NO_EVAL_INTERVAL = 1_000_000  # LitGPT evaluates when step % interval == 0 (0 would divide by zero): never
 GB, GIB = 1e9, 2**30
 LORA_FLAGS = [("lora_query", "q"), ("lora_key", "k"), ("lora_value", "v"), ("lora_projection", "o"),
@@ -148,6 +149,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accelerator", choices=["auto", "cpu", "cuda"], default="auto",
                         help="cpu: litft gets --accelerator cpu, LitGPT runs with CUDA_VISIBLE_DEVICES=''")
     parser.add_argument("--dry-run", action="store_true", help="print every command and exit")
+    parser.add_argument("--rescore", type=Path, metavar="DIR",
+                        help="run nothing: recompute the table of an earlier call's folder (its vs_litgpt.json, runs'"
+                             " logs, LitGPT CSVs, litft result.json files) with this script's definitions, into"
+                             " DIR/vs_litgpt.rescored.md and .json (give the earlier call's --model or --config-file)")
     args = parser.parse_args()
     args.out = args.out.resolve()
     return args
@@ -418,12 +423,15 @@ def parse_litgpt(out_dir: Path) -> dict:
     text = (out_dir / "log.txt").read_text(encoding="utf-8", errors="replace")
     found = {key: float(m.group(1)) for key, pattern in LITGPT_REPORT.items() if (m := re.search(pattern, text))}
     csv_path = out_dir / "logs" / "csv" / "version_0" / "metrics.csv"
+    if not csv_path.is_file():  # a committed results folder keeps it beside the log
+        csv_path = out_dir / "metrics.csv"
     rows = list(csv.DictReader(csv_path.open())) if csv_path.is_file() else []
     iterations = [row for row in rows if row.get("iter_time")]
     monitor_time = [float(row["time"]) for row in rows if row.get("time")]
     monitor_rate = [float(row["device/items_per_sec"]) for row in rows if row.get("device/items_per_sec")]
     found["iterations"] = len(iterations)
     found["sum_iter_time_s"] = sum(float(row["iter_time"]) for row in iterations) if iterations else None
+    found["iter_times_s"] = [float(row["iter_time"]) for row in iterations]  # litgpt_row takes it out again
     found["monitor_time_s"] = monitor_time[-1] if monitor_time else None
     found["monitor_items_per_sec"] = monitor_rate[-1] if monitor_rate else None
     return found
@@ -507,6 +515,7 @@ def litgpt_row(run: Run, code: int, config, lengths: list[int], peak) -> dict:
     """LitGPT's figures: its report and CSV, and the real tokens / FLOPs of the rows it trained on (replayed)."""
     text = (run.out_dir / "log.txt").read_text(encoding="utf-8", errors="replace")
     found = parse_litgpt(run.out_dir)
+    iter_times = found.pop("iter_times_s")
     row = base_row(run, code)
     row["litgpt"] = found
     if code != 0 or "training_time_s" not in found or not found["iterations"]:
@@ -526,10 +535,15 @@ def litgpt_row(run: Run, code: int, config, lengths: list[int], peak) -> dict:
     ]
     epoch = found["sum_iter_time_s"]
     padded_tokens = found.get("tokens_with_padding", padded)
+    # steady state as litft counts its own: the iterations of the first STEADY_SKIP_STEPS optimizer steps left out
+    skip = STEADY_SKIP_STEPS * run.recipe.grad_accum
+    steady_time = sum(iter_times[skip:])
+    steady_real = sum(lengths[i] for b in batches[skip:] for i in b)
     row.update(
         status="ok", steps=found["iterations"] // run.recipe.grad_accum, samples=done["samples"], epoch_time_s=epoch,
         real_tokens=done["real_tokens"], padded_tokens=padded_tokens, real_tok_s=done["real_tokens"] / epoch,
         padded_tok_s=padded_tokens / epoch, reported_tok_s=found["tok_per_sec"],
+        steady_real_tok_s=steady_real / steady_time if steady_time > 0 else None,
         peak_allocated_gib=found["memory_used_gb"] * GB / GIB if "memory_used_gb" in found else None,
         peak_reserved_gib=found["exit_max_reserved_bytes"] / GIB if "exit_max_reserved_bytes" in found else None,
         mfu=done["flops"] / epoch / peak if peak else None,
@@ -567,6 +581,7 @@ def litft_row(run: Run, code: int, config, lengths: list[int], peak) -> dict:
         status="ok", steps=result["steps"], samples=done["samples"], epoch_time_s=epoch,
         real_tokens=done["real_tokens"], padded_tokens=t["tokens_padded"], real_tok_s=done["real_tokens"] / epoch,
         padded_tok_s=t["tokens_padded"] / epoch, reported_tok_s=t["tokens_per_sec"],
+        steady_real_tok_s=t["tokens_per_sec"] if t.get("steps_skipped") == STEADY_SKIP_STEPS else None,
         peak_allocated_gib=m["peak_allocated_gib"], peak_reserved_gib=m["peak_reserved_gib"],
         mfu=done["flops"] / epoch / peak if peak else None,
         predicted_reserved_gib=(m.get("predicted") or {}).get("total_gib"), ledger_error_pct=m.get("error_pct"),
@@ -614,6 +629,9 @@ DEFINITIONS = """\
   accumulation. Checks compare the replay with each tool's own count. LitGPT's forward sees one position more per
   untruncated sample (it shifts after the forward, litft before): LitGPT's own non-padding count, 'Tokens w/ Prompt',
   is that count.
+- **steady real tok/s** = the same real tokens and time with the first 2 optimizer steps (STEADY_SKIP_STEPS) left
+  out, for both tools: litft's `throughput.tokens_per_sec` (its warm-up and first steps left out); LitGPT's replayed
+  real tokens of its iterations after the first 2 x accumulation, over the sum of their `iter_time`.
 - **padded tok/s** = all input positions, padding included, / epoch s. LitGPT: 'Total Tokens (w/ Padding)' of its
   report; litft: `throughput.tokens_padded` (with packing, the padding is at most 15 positions per micro-batch).
 - **reported tok/s**: each tool's own headline. LitGPT: 'Tok/sec' of the report it prints after `fit()` =
@@ -631,15 +649,16 @@ DEFINITIONS = """\
   + 12 L d T^2 (N: matmul weights from `litft.model.count_parameters`; for LitGPT its model built on the meta device),
   / epoch s / the GPU's peak dense FLOP/s at the compute dtype (`litft.metrics.peak_flops`). n/a on the CPU.
   litft's own steady-state MFU is in the JSON.
-- **litft/LitGPT**: ratios against the pair's LitGPT run: epoch time (below 1: litft faster) and real tok/s
-  (above 1: litft faster). With --max-steps both train the same number of rows but not the same rows (each its own
+- **litft/LitGPT**: ratios against the pair's LitGPT run: epoch time (below 1: litft faster), real tok/s and
+  steady real tok/s (above 1: litft faster). With --max-steps both train the same number of rows but not the same rows (each its own
   shuffle): compare real tok/s there, not time."""
 
 DIFFERENCES = """\
 What stays different, each tool's own implementation (like-for-like equalises the settings, not the code): litft
-compiles each transformer block on CUDA (LitGPT runs eager), computes the loss in chunks of 4,096 positions (LitGPT
-chunks the output layer by 128 positions), and uses its own fused layers; LitGPT logs (a device sync) every
-micro-batch. LitGPT's QLoRA swaps the embedding for bitsandbytes' StableEmbedding after building the optimizer (the
+replays each micro-step as a CUDA graph on one GPU, compiles each transformer block when `compile: auto` judges the
+run long enough (none of the 1,024-row runs: LitGPT runs eager), computes the loss in chunks of 1,024 positions
+(LitGPT chunks the output layer by 128 positions), and uses its own layers (packed rows' varlen attention, matmul
+LoRA layers, torch's fused rms_norm); LitGPT logs (a device sync) every micro-batch. LitGPT's QLoRA swaps the embedding for bitsandbytes' StableEmbedding after building the optimizer (the
 new embedding has requires_grad on but is not in the optimizer). LitGPT has no gradient clipping in these scripts and
 no single-device activation checkpointing, hence like-for-like turns both off in litft. After training, LitGPT saves
 (and for LoRA merges into a full checkpoint) and litft saves its weights: outside both epoch times; the *.pth files
@@ -651,28 +670,32 @@ def fmt(value, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| run | tool | recipe | variant | exit | steps | samples | epoch s | real tok/s | padded tok/s |"
-            " reported tok/s | peak alloc GiB | peak reserved GiB | MFU | epoch time litft/LitGPT |"
-            " real tok/s litft/LitGPT |")
+    head = ("| run | tool | recipe | variant | exit | steps | samples | epoch s | real tok/s | steady real tok/s |"
+            " padded tok/s | reported tok/s | peak alloc GiB | peak reserved GiB | MFU | epoch time litft/LitGPT |"
+            " real tok/s litft/LitGPT | steady real tok/s litft/LitGPT |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     reference = {r["pair"]: r for r in rows if r["tool"] == "LitGPT" and r["status"] == "ok"}
     for r in rows:
         recipe = f"{r['recipe']} ({r['precision']})"
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | {r['tool']} | {recipe} | {r['variant']} | {r['exit_code']} |"
-                         f" {r['status']} |" + " |" * 10)
+                         f" {r['status']} |" + " |" * 12)
             continue
         ref = reference.get(r["pair"])
-        time_ratio = tok_ratio = ""
+        time_ratio = tok_ratio = steady_ratio = ""
         if ref is not None and r["tool"] == "litft":
             time_ratio = f"{r['epoch_time_s'] / ref['epoch_time_s']:.2f}"
             tok_ratio = f"{r['real_tok_s'] / ref['real_tok_s']:.2f}"
+            if r.get("steady_real_tok_s") and ref.get("steady_real_tok_s"):
+                steady_ratio = f"{r['steady_real_tok_s'] / ref['steady_real_tok_s']:.2f}"
         flag = " (!)" if any("DIFFER" in c for c in r["checks"]) else ""
         lines.append(
             f"| {r['name']}{flag} | {r['tool']} | {recipe} | {r['variant']} | {r['exit_code']} | {r['steps']} |"
-            f" {r['samples']:,} | {r['epoch_time_s']:.1f} | {r['real_tok_s']:,.0f} | {r['padded_tok_s']:,.0f} |"
+            f" {r['samples']:,} | {r['epoch_time_s']:.1f} | {r['real_tok_s']:,.0f} |"
+            f" {fmt(r.get('steady_real_tok_s'), ',.0f')} | {r['padded_tok_s']:,.0f} |"
             f" {r['reported_tok_s']:,.0f} | {fmt(r['peak_allocated_gib'], '.2f')} |"
             f" {fmt(r['peak_reserved_gib'], '.2f')} | {fmt(r['mfu'], '.1%')} | {time_ratio} | {tok_ratio} |"
+            f" {steady_ratio} |"
         )
     return "\n".join(lines)
 
@@ -690,7 +713,8 @@ def ledger_lines(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: list[Run], rows: list[dict]) -> str:
+def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: list[Run], rows: list[dict],
+                 name: str = "vs_litgpt") -> str:
     md = ["# litft vs LitGPT", "", f"Command: `{invocation}`", "", "Environment (litft.metrics.environment()):", ""]
     md += [f"- {key}: {value}" for key, value in env.items()]
     md += ["", "Set-up:", ""] + [f"- {line}" for line in setup]
@@ -703,8 +727,8 @@ def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: 
     md += ["", "with LITGPT_LAUNCHER (LitGPT's console-script entry point, plus the peak reserved memory at exit):", "",
            "```python", LITGPT_LAUNCHER.rstrip(), "```"]
     text = "\n".join(md) + "\n"
-    (out / "vs_litgpt.md").write_text(text, encoding="utf-8")
-    (out / "vs_litgpt.json").write_text(json.dumps(
+    (out / f"{name}.md").write_text(text, encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(
         {"invocation": invocation, "environment": env, "setup": setup, "definitions": DEFINITIONS,
          "differences": DIFFERENCES, "runs": rows}, indent=2, default=str), encoding="utf-8")
     return text
@@ -713,9 +737,41 @@ def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: 
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def rescore(args, invocation: str) -> int:
+    """The table of an earlier call, recomputed from what it left (no run): for new columns or definitions. The
+    training rows are made again (the generator is seeded) and must tokenize to the lengths that call recorded."""
+    import tempfile
+
+    from litft.metrics import compute_dtype, peak_flops
+
+    folder = args.rescore.resolve()
+    earlier = json.loads((folder / "vs_litgpt.json").read_text(encoding="utf-8"))
+    codes = {row["name"]: row["exit_code"] for row in earlier["runs"]}
+    config = load_architecture(args.model, args.config_file)
+    args.out = folder
+    runs = [run for run in plan_runs(args, config, folder / "checkpoint", folder / "data") if run.name in codes]
+    with tempfile.TemporaryDirectory() as tmp:
+        make_data(Path(tmp))
+        train = tokenize_train(Path(tmp), REPO / "litft" / "assets" / "demo" / "model", runs[0].recipe)
+    described = f"train.json as litft tokenizes it: {train.stats.describe()}"
+    if described not in earlier["setup"]:
+        raise SystemExit(f"the rows made now do not match that call's ({described!r} is not in its setup)")
+    env = earlier["environment"]
+    rows = []
+    for run in runs:
+        peak = peak_flops(env["gpu"], compute_dtype(run.recipe.precision)) if env.get("gpu") else None
+        make_row = litgpt_row if run.tool == "LitGPT" else litft_row
+        rows.append(make_row(run, codes[run.name], config, train.lengths.tolist(), peak))
+    print(write_report(folder, f"{earlier['invocation']}; rescored by `{invocation}`", env, earlier["setup"], runs,
+                       rows, name="vs_litgpt.rescored"))
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     invocation = shlex.join(["python", "benchmarks/vs_litgpt.py", *sys.argv[1:]])
+    if args.rescore:
+        return rescore(args, invocation)
     config = load_architecture(args.model, args.config_file)
     ckpt, data_dir = args.out / "checkpoint", args.out / "data"
     runs = select(plan_runs(args, config, ckpt, data_dir), args.only)
