@@ -714,13 +714,13 @@ def ledger_lines(rows: list[dict]) -> list[str]:
 
 
 def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: list[Run], rows: list[dict],
-                 name: str = "vs_litgpt") -> str:
+                 name: str = "vs_litgpt", differences: str = DIFFERENCES) -> str:
     md = ["# litft vs LitGPT", "", f"Command: `{invocation}`", "", "Environment (litft.metrics.environment()):", ""]
     md += [f"- {key}: {value}" for key, value in env.items()]
     md += ["", "Set-up:", ""] + [f"- {line}" for line in setup]
     md += ["", table(rows), "", "(!) marks a run whose replayed counts differ from the tool's own (see Checks).", ""]
     md += ledger_lines(rows)
-    md += ["## Definitions", "", DEFINITIONS, "", DIFFERENCES, "", "## Checks", ""]
+    md += ["## Definitions", "", DEFINITIONS, "", differences, "", "## Checks", ""]
     md += [f"- {r['name']}: {check}" for r in rows for check in r["checks"]]
     md += ["", "## Commands", "", "Each run in its own process; its log is DIR/runs/NAME/log.txt.", ""]
     md += [f"- {run.name}: `{shown(run.command)}`" for run in runs]
@@ -730,7 +730,7 @@ def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: 
     (out / f"{name}.md").write_text(text, encoding="utf-8")
     (out / f"{name}.json").write_text(json.dumps(
         {"invocation": invocation, "environment": env, "setup": setup, "definitions": DEFINITIONS,
-         "differences": DIFFERENCES, "runs": rows}, indent=2, default=str), encoding="utf-8")
+         "differences": differences, "runs": rows}, indent=2, default=str), encoding="utf-8")
     return text
 
 
@@ -763,7 +763,7 @@ def rescore(args, invocation: str) -> int:
         make_row = litgpt_row if run.tool == "LitGPT" else litft_row
         rows.append(make_row(run, codes[run.name], config, train.lengths.tolist(), peak))
     print(write_report(folder, f"{earlier['invocation']}; rescored by `{invocation}`", env, earlier["setup"], runs,
-                       rows, name="vs_litgpt.rescored"))
+                       rows, name="vs_litgpt.rescored", differences=earlier["differences"]))  # the code then run
     return 0
 
 
