@@ -1,0 +1,45 @@
+"""benchmarks/vs_litgpt.py against a call it made on the H100: recomputing that call's table from the files it left
+gives back the figures it wrote, and adds the steady-state columns."""
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = REPO / "benchmarks" / "results" / "vs-litgpt-tiny-lora-qlora-s7"
+
+
+def _vs_litgpt():
+    spec = importlib.util.spec_from_file_location("vs_litgpt", REPO / "benchmarks" / "vs_litgpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vs_litgpt"] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rescoring_a_recorded_call_gives_back_its_figures_and_the_steady_state(tmp_path):
+    if not (RECORDED / "vs_litgpt.json").is_file():
+        pytest.skip("the recorded call is not in this checkout")
+    vs_litgpt = _vs_litgpt()
+    folder = tmp_path / "call"
+    shutil.copytree(RECORDED, folder)
+    args = argparse.Namespace(rescore=folder, model="tiny-llama-1.1b", config_file=None, max_steps=None, only=None,
+                              timeout=900, precision=None, accelerator="auto", dry_run=False, out=folder)
+    assert vs_litgpt.rescore(args, "python benchmarks/vs_litgpt.py --rescore DIR") == 0
+    recorded = {row["name"]: row for row in json.loads((RECORDED / "vs_litgpt.json").read_text())["runs"]}
+    rescored = {row["name"]: row for row in json.loads((folder / "vs_litgpt.rescored.json").read_text())["runs"]}
+    assert rescored.keys() == recorded.keys() and len(rescored) == 6
+    for name, row in rescored.items():
+        for key in ("real_tok_s", "padded_tok_s", "reported_tok_s", "epoch_time_s", "peak_reserved_gib", "mfu"):
+            assert row[key] == pytest.approx(recorded[name][key]), (name, key)
+        assert row["steady_real_tok_s"] > 0
+    # LitGPT's first 2 optimizer steps (8 iterations) are its slowest: steady state is faster than the epoch average
+    assert rescored["litgpt-lora"]["steady_real_tok_s"] > rescored["litgpt-lora"]["real_tok_s"]
+    # litft's steady state is its own throughput.tokens_per_sec
+    assert rescored["litft-lora-defaults"]["steady_real_tok_s"] == recorded["litft-lora-defaults"]["reported_tok_s"]
+    assert "steady real tok/s litft/LitGPT" in (folder / "vs_litgpt.rescored.md").read_text()
