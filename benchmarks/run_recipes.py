@@ -196,6 +196,9 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
             "--precision", "bf16-mixed", "--logging.memory_snapshot", "3", "--train.cuda_graphs", "never"]),
         ("full-mixed-expandable", "tiny-llama-full", GPU + steps(8) + ["--precision", "bf16-mixed"],
          {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+        # without graphs or a snapshot: whether the graphs' own pool is what puts bf16-mixed over LitGPT's 30.88 GiB
+        ("full-mixed-no-graphs-plain", "tiny-llama-full", GPU + steps(12) + ["--precision", "bf16-mixed",
+                                                                              "--train.cuda_graphs", "never"]),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
