@@ -762,8 +762,9 @@ def rescore(args, invocation: str) -> int:
         peak = peak_flops(env["gpu"], compute_dtype(run.recipe.precision)) if env.get("gpu") else None
         make_row = litgpt_row if run.tool == "LitGPT" else litft_row
         rows.append(make_row(run, codes[run.name], config, train.lengths.tolist(), peak))
-    print(write_report(folder, f"{earlier['invocation']}; rescored by `{invocation}`", env, earlier["setup"], runs,
-                       rows, name="vs_litgpt.rescored", differences=earlier["differences"]))  # the code then run
+    setup = earlier["setup"] + [f"rescored by `{invocation}`: no run, the figures recomputed from this folder's files"]
+    print(write_report(folder, earlier["invocation"], env, setup, runs, rows, name="vs_litgpt.rescored",
+                       differences=earlier["differences"]))  # the code then run
     return 0
 
 
