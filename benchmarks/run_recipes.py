@@ -26,6 +26,7 @@ QUIET = ["--logging.progress", "plain", "--logging.interval", "5", "--eval.initi
          "--eval.interval", "0"]
 GPU = RANDOM + BENCH_DATA + QUIET
 PROFILE = ["--logging.profile", "8-9", "--logging.interval", "1"]
+PLAIN = ["--train.cuda_graphs", "never", "--train.compile", "never"]  # eager, launched op by op
 
 
 def steps(n: int) -> list[str]:
@@ -75,10 +76,8 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     # them (plain) it also names the ops that launched them.
     "profile-tiny-2": [
         ("lora", "tiny-llama-lora", GPU + steps(12) + PROFILE),
-        ("lora-plain", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.cuda_graphs", "never",
-                                                                        "--train.compile", "never"]),
-        ("full-plain", "tiny-llama-full", GPU + steps(12) + PROFILE + ["--train.cuda_graphs", "never",
-                                                                        "--train.compile", "never"]),
+        ("lora-plain", "tiny-llama-lora", GPU + steps(12) + PROFILE + PLAIN),
+        ("full-plain", "tiny-llama-full", GPU + steps(12) + PROFILE + PLAIN),
     ],
     # Issue 5: CUDA graphs of the micro-step on and off (each run also reports compile + capture in its first steps).
     "graphs-tiny": [
@@ -113,12 +112,9 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-mixed", "tiny-llama-full", GPU + steps(40) + ["--precision", "bf16-mixed"]),
         ("full-unfused-adamw", "tiny-llama-full", GPU + steps(40) + [
             "--optimizer.init_args.foreach", "true"]),  # what torch picks without fused=True
-        ("full-no-graphs", "tiny-llama-full", GPU + steps(40) + ["--train.cuda_graphs", "never", "--train.compile",
-                                                                 "never"]),
-        ("lora-no-graphs-eager", "tiny-llama-lora", GPU + steps(40) + ["--train.cuda_graphs", "never",
-                                                                       "--train.compile", "never"]),
-        ("lora-plain-profile", "tiny-llama-lora", GPU + steps(12) + PROFILE + ["--train.cuda_graphs", "never",
-                                                                              "--train.compile", "never"]),
+        ("full-no-graphs", "tiny-llama-full", GPU + steps(40) + PLAIN),
+        ("lora-no-graphs-eager", "tiny-llama-lora", GPU + steps(40) + PLAIN),
+        ("lora-plain-profile", "tiny-llama-lora", GPU + steps(12) + PROFILE + PLAIN),
         ("lora-compiled", "tiny-llama-lora", GPU + steps(40) + ["--train.compile", "always"]),
     ],
     # Issue 5: compiling's cost and gain once the block compiles to one graph (it built 4 in ablation-tiny-2's
@@ -136,6 +132,7 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     # Issue 5: train.fast_lora (the matmul LoRA layers with the add inside the matmul; on by default) and
     # train.fused_rms_norm (torch's rms_norm; off until measured here) against LitGPT's own layers, eager with CUDA
     # graphs as the defaults run these recipes; the memory columns check the ledger's accounting of the fused norm.
+    # Run at 2f81623, when the fused norm was off by default (it is on since: "-fused-norm" runs are today's defaults).
     "layers-tiny": [
         ("lora", "tiny-llama-lora", GPU + steps(40)),
         ("lora-litgpt-lora-layers", "tiny-llama-lora", GPU + steps(40) + ["--train.fast_lora", "false"]),

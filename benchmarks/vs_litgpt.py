@@ -430,8 +430,8 @@ def parse_litgpt(out_dir: Path) -> dict:
     monitor_time = [float(row["time"]) for row in rows if row.get("time")]
     monitor_rate = [float(row["device/items_per_sec"]) for row in rows if row.get("device/items_per_sec")]
     found["iterations"] = len(iterations)
-    found["sum_iter_time_s"] = sum(float(row["iter_time"]) for row in iterations) if iterations else None
     found["iter_times_s"] = [float(row["iter_time"]) for row in iterations]  # litgpt_row takes it out again
+    found["sum_iter_time_s"] = sum(found["iter_times_s"]) if iterations else None
     found["monitor_time_s"] = monitor_time[-1] if monitor_time else None
     found["monitor_items_per_sec"] = monitor_rate[-1] if monitor_rate else None
     return found
@@ -737,12 +737,19 @@ def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: 
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def figures(run: Run, code: int, config, lengths: list[int], env: dict) -> dict:
+    """One run's row of the table, from what its process left: LitGPT's log and CSV, or litft's result.json."""
+    from litft.metrics import compute_dtype, peak_flops
+
+    peak = peak_flops(env["gpu"], compute_dtype(run.recipe.precision)) if env.get("gpu") else None
+    make_row = litgpt_row if run.tool == "LitGPT" else litft_row
+    return make_row(run, code, config, lengths, peak)
+
+
 def rescore(args, invocation: str) -> int:
     """The table of an earlier call, recomputed from what it left (no run): for new columns or definitions. The
     training rows are made again (the generator is seeded) and must tokenize to the lengths that call recorded."""
     import tempfile
-
-    from litft.metrics import compute_dtype, peak_flops
 
     folder = args.rescore.resolve()
     earlier = json.loads((folder / "vs_litgpt.json").read_text(encoding="utf-8"))
@@ -759,9 +766,7 @@ def rescore(args, invocation: str) -> int:
     env = earlier["environment"]
     rows = []
     for run in runs:
-        peak = peak_flops(env["gpu"], compute_dtype(run.recipe.precision)) if env.get("gpu") else None
-        make_row = litgpt_row if run.tool == "LitGPT" else litft_row
-        rows.append(make_row(run, codes[run.name], config, train.lengths.tolist(), peak))
+        rows.append(figures(run, codes[run.name], config, train.lengths.tolist(), env))
     setup = earlier["setup"] + [f"rescored by `{invocation}`: no run, the figures recomputed from this folder's files"]
     print(write_report(folder, earlier["invocation"], env, setup, runs, rows, name="vs_litgpt.rescored",
                        differences=earlier["differences"]))  # the code then run
@@ -802,17 +807,15 @@ def main() -> int:
     if args.max_steps:
         setup.append(f"both tools stop after {args.max_steps} optimizer steps (--max-steps)")
 
-    from litft.metrics import compute_dtype, environment, peak_flops
+    from litft.metrics import environment
 
     env = in_fresh_process(environment)
     rows: list[dict] = []
     for i, run in enumerate(runs, start=1):
         print(f"[{i}/{len(runs)}] {run.name} ...", flush=True)
         code, wall = execute(run, args.timeout)
-        peak = peak_flops(env["gpu"], compute_dtype(run.recipe.precision)) if env["gpu"] else None
-        make_row = litgpt_row if run.tool == "LitGPT" else litft_row
         try:
-            row = make_row(run, code, config, lengths, peak)
+            row = figures(run, code, config, lengths, env)
         except Exception as err:  # an output the parser did not expect must not lose the other runs
             row = base_row(run, code)
             row["status"] = f"figures unreadable: {type(err).__name__}: {err}"
