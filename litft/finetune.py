@@ -196,17 +196,20 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f"model: {config.name}, {counts.total:,} parameters, {counts.trainable:,} trainable"
             f" ({100 * counts.trainable / counts.total:.2f}%)"
         )
-        use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm)
+        use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
+                        attention=recipe.train.fast_attention)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
             compile_blocks(gpt)
+        graphs_before = compile_stats()  # the ledger's trace above compiles too: count only the run's own graphs
         say(f"speed: packing {'on' if recipe.data.packing else 'off'},"
             f" torch.compile {'on' if compiled else 'off'}{f' ({compile_why})' if compile_why else ''},"
             f" CUDA graphs {'on' if graphed else 'off'},"
             f" loss chunk {recipe.train.loss_chunk or 'off'}, activation checkpointing"
             f" {'on' if recipe.train.activation_checkpointing else 'off'}"
             + f", RMSNorm {'fused' if recipe.train.fused_rms_norm else 'LitGPT'}"
+            + f", attention {'fast' if recipe.train.fast_attention else 'LitGPT'}"
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
@@ -263,7 +266,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
                        f" micro-batch {state['batch_in_epoch']} of {len(train_sampler)})")
     profiler = StepProfiler(recipe.logging.profile, out_dir / "profile", progress.print,
                             recipe.logging.memory_snapshot, out_dir / "memory_snapshot.pickle")
-    profiler.start_snapshot()
+    profiler.start_snapshot(recomputes=recipe.train.loss_chunk > 0 or recipe.train.activation_checkpointing)
     try:
         if graphed:  # warm-up and capture run the largest micro-batch: inside the try, so running out of memory is exit 4
             train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.loader_batch_size)
@@ -312,6 +315,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         # (Measured on the H100, TinyLlama full bf16-true with packing: 2,816 positions formed in 32 steps, the
         # pool sized for 4,096; the ledger for 2,816 said 16.7 GiB, for 4,096 19.8 GiB, measured 20.3 GiB reserved.)
         seen = None
+        run_compile_stats = compile_stats(since=graphs_before)  # before the ledger below traces again
         graph_stats = micro_step.stats()
         held_tokens = max(state["max_micro_tokens"], graph_stats.get("pool_tokens", 0))
         if predicted is not None and held_tokens:
@@ -321,6 +325,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             phases, out_dir, len(train_sampler), seen or predicted, gpu, worst_case=predicted,
         )
         result["cuda_graphs"] = graph_stats
+        result["compile"] = run_compile_stats
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
@@ -343,6 +348,7 @@ def fit(
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
+    device_skip = device_skipping_optimizer(fabric, optimizer) if recipe.train.skip_nonfinite_on_device else None
     progress.start()
     while state["step"] < total_steps:
         step = state["step"] + 1
@@ -374,11 +380,20 @@ def fit(
             grad_norm = fabric.clip_gradients(
                 model, optimizer, max_norm=recipe.train.max_grad_norm, error_if_nonfinite=False  # checked below
             )
-        # One host-device sync per step: the loss (and grad norm) must be finite BEFORE the weights change.
         step_loss = (loss_sum / denominator / fabric.world_size).float()
         if fabric.world_size > 1:
             step_loss = fabric.all_reduce(step_loss, reduce_op="sum")
         check = torch.stack([step_loss, grad_norm.float() if grad_norm is not None else step_loss])
+        if device_skip is not None:
+            # Launched before the loss is read: the fused optimizer skips the update on the device when found_inf
+            # is 1, so the host queues the step's update while the GPU still runs the backward pass, instead of
+            # waiting for it here and leaving the GPU idle while it launches the update (TinyLlama LoRA under CUDA
+            # graphs: ~20 ms of an 88 ms step, H100, benchmarks/results/profile-tiny-2).
+            device_skip.found_inf = (~torch.isfinite(check).all()).float()
+            with mark("optimizer"):
+                step_optimizer(optimizer, micro_step)
+            del device_skip.found_inf
+        # One host-device sync per step: the weights change only if the loss (and grad norm) are finite.
         loss_value, norm_value = check.tolist()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             what = "loss" if not math.isfinite(loss_value) else "gradient norm"
@@ -388,10 +403,9 @@ def fit(
                 f" {step - 1}. Try a lower optimizer.init_args.lr (now {recipe.optimizer.init_args.get('lr')}),"
                 " train.max_grad_norm, or precision bf16-mixed/32-true"
             )
-        with mark("optimizer"):
-            optimizer.step()
-            # CUDA graphs add into the gradients' fixed addresses: zero them in place rather than free them
-            optimizer.zero_grad(set_to_none=not micro_step.keeps_gradients)
+        if device_skip is None:
+            with mark("optimizer"):
+                step_optimizer(optimizer, micro_step)
         scheduler.step()
         clock.stop(step)
         state["step"] = step
@@ -443,6 +457,25 @@ def fit(
             if writer is not None:
                 writer.write(row)
             progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
+
+
+def step_optimizer(optimizer, micro_step) -> None:
+    optimizer.step()
+    # CUDA graphs add into the gradients' fixed addresses: zero them in place rather than free them
+    optimizer.zero_grad(set_to_none=not micro_step.keeps_gradients)
+
+
+def device_skipping_optimizer(fabric, optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer under Fabric's wrapper if it can skip a step on the device (train.skip_nonfinite_on_device):
+    torch's fused Adam, AdamW and SGD read a `found_inf` tensor (GradScaler's protocol) and leave weights, moments and
+    step count untouched when it is 1. None where it cannot: other optimizers (foreach, bitsandbytes' 8-bit),
+    DeepSpeed's own optimizer step, and 16-mixed, whose GradScaler sets found_inf itself."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    fused = isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and inner.defaults.get("fused")
+    scaler = getattr(fabric.strategy.precision, "scaler", None)
+    if not fused or scaler is not None or "deepspeed" in type(fabric.strategy).__name__.lower():
+        return None
+    return inner
 
 
 COMPILE_PAYS_OFF_S = 120.0
@@ -711,16 +744,24 @@ class StepProfiler:
         self.directory, self.say, self._prof, self._t0 = directory, say, None, 0.0
         self.snapshot_steps, self.snapshot_path, self._recording = snapshot_steps, snapshot_path, False
 
-    def start_snapshot(self) -> None:
+    def start_snapshot(self, recomputes: bool) -> None:
+        """recomputes: the backward pass reruns forward code (a chunked loss, activation checkpointing)."""
         if not self.snapshot_steps:
             return
         if not torch.cuda.is_available():
             self.say("memory snapshot: CUDA only (the allocator history is the CUDA caching allocator's); skipped")
             return
-        # Python stacks only: with C++ stacks too (torch's default), TinyLlama full bf16-mixed stopped in the backward
-        # pass's recompute of a loss chunk with "SystemError: cross_entropy_loss returned NULL without setting an
-        # exception" (H100, torch 2.11; benchmarks/results/memory-tiny). The Python frames are what memory_viz shows.
-        torch.cuda.memory._record_memory_history(max_entries=self.SNAPSHOT_ENTRIES, stacks="python")
+        if recomputes:
+            # Stacks gathered while the backward pass recomputes a loss chunk stopped the run with "SystemError:
+            # <built-in function cross_entropy_loss> returned NULL without setting an exception", with C++ and Python
+            # stacks and with Python stacks alone (H100, torch 2.11: results/memory-tiny, results/call-s8-1.log).
+            # Without stacks the snapshot still holds every allocation and segment by pool.
+            self.say("memory snapshot: recorded without stacks (the backward pass recomputes a loss chunk or blocks;"
+                     " train.loss_chunk 0 and no activation checkpointing keep Python stacks)")
+            torch.cuda.memory._record_memory_history(max_entries=self.SNAPSHOT_ENTRIES, context=None, stacks="python")
+        else:
+            # Python stacks: the frames memory_viz shows (C++ stacks cost more and hit the same SystemError)
+            torch.cuda.memory._record_memory_history(max_entries=self.SNAPSHOT_ENTRIES, stacks="python")
         self._recording = True
 
     def dump_snapshot(self, why: str) -> None:
@@ -1047,7 +1088,6 @@ def build_result(
         "throughput": throughput,
         "memory": mem,
         "phases_s": phases.seconds,
-        "compile": compile_stats(),
         "gpu": gpu or {},
         "device": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else "cpu",
         "environment": metrics.environment(),
@@ -1061,14 +1101,16 @@ def build_result(
     }
 
 
-def compile_stats() -> dict:
-    """How many graphs torch.compile built (a number growing with steps means recompiles: look at TORCH_LOGS)."""
+def compile_stats(since: dict | None = None) -> dict:
+    """How many graphs torch.compile built in this process, or since an earlier count (a number growing with steps
+    means recompiles: look at TORCH_LOGS)."""
     try:
         from torch._dynamo.utils import counters
 
-        return {"unique_graphs": counters["stats"]["unique_graphs"], "frames_ok": counters["frames"]["ok"]}
+        now = {"unique_graphs": counters["stats"]["unique_graphs"], "frames_ok": counters["frames"]["ok"]}
     except Exception:
         return {}
+    return {key: value - (since or {}).get(key, 0) for key, value in now.items()}
 
 
 def out_of_memory(recipe: Recipe, fabric, err: Exception) -> OutOfMemoryError:

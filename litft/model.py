@@ -283,23 +283,25 @@ class Packed:
     max_length: int
 
 
-def _varlen_causal_kwargs() -> dict | None:
-    """torch's flash-attention varlen op, if this torch has it: 2.10 takes is_causal, later versions window_size."""
+def _varlen_signature() -> tuple[dict | None, bool]:
+    """torch's flash-attention varlen op, if this torch has it: its causal keyword (2.10 takes is_causal, later
+    versions window_size), and whether it takes grouped k/v heads (enable_gqa; without it, k and v are repeated)."""
     try:
         import inspect
 
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
+        return None, False
     params = inspect.signature(varlen_attn).parameters
+    gqa = "enable_gqa" in params
     if "window_size" in params:
-        return {"window_size": (-1, 0)}
+        return {"window_size": (-1, 0)}, gqa
     if "is_causal" in params:
-        return {"is_causal": True}
-    return None
+        return {"is_causal": True}, gqa
+    return None, False
 
 
-_VARLEN_KWARGS = _varlen_causal_kwargs()
+_VARLEN_KWARGS, _VARLEN_GQA = _varlen_signature()
 VARLEN_DEVICES = ("cuda",)  # where packed rows use torch's varlen op (tests add "cpu" with reference kernels)
 
 
@@ -309,21 +311,83 @@ def packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     Returns (1, N, heads, head_size), as LitGPT's method does."""
     if not isinstance(mask, Packed):
         return type(self).scaled_dot_product_attention(self, q, k, v, mask)
+    return causal_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+
+
+def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Packed | None) -> torch.Tensor:
+    """Causal attention of q (B, T, heads, head_size) over k, v (B, T, kv heads, head_size), within each sample of
+    a packed row when `mask` is a Packed (B = 1). Grouped k and v heads go to the kernels as they are (flash attention
+    and SDPA's enable_gqa read each group for its queries). Returns (B, T, heads, head_size)."""
     scale = 1.0 / math.sqrt(self.config.attention_scores_scalar or self.config.head_size) * self.mscale**2
-    _, heads, n, head_size = q.shape
-    if q.device.type in VARLEN_DEVICES and _VARLEN_KWARGS is not None:
+    b, t, heads, head_size = q.shape
+    if isinstance(mask, Packed) and q.device.type in VARLEN_DEVICES and _VARLEN_KWARGS is not None:
         from torch.nn.attention.varlen import varlen_attn
 
-        # (1, H, N, D) -> (N, H, D): a view, the last dimension stays contiguous as flash attention needs
-        q_, k_, v_ = (t.transpose(1, 2).reshape(n, heads, head_size) for t in (q, k, v))
+        # (1, N, H, D) -> (N, H, D): views; flash attention needs only the last dimension contiguous
+        q_, k_, v_ = (x.reshape(t, x.shape[2], head_size) for x in (q, k, v))
+        gqa = {}
+        if k_.shape[1] != heads:
+            if _VARLEN_GQA:
+                gqa = {"enable_gqa": True}
+            else:  # this torch's varlen op wants every head: repeat, as LitGPT does
+                k_, v_ = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k_, v_))
         cu = mask.cu_seqlens
-        y = varlen_attn(q_, k_, v_, cu, cu, mask.max_length, mask.max_length, scale=scale, **_VARLEN_KWARGS)
-        return y.view(1, n, heads, head_size)
-    # elsewhere (CPU): a block-diagonal causal mask over the row; exact, O(N^2) memory
-    segment = torch.searchsorted(mask.cu_seqlens[1:].long(), torch.arange(n, device=q.device), right=True)
-    allowed = (segment[:, None] == segment[None, :]) & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        y = varlen_attn(q_, k_, v_, cu, cu, mask.max_length, mask.max_length, scale=scale, **_VARLEN_KWARGS, **gqa)
+        return y.view(b, t, heads, head_size)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D), as SDPA takes them
+    gqa = k.shape[1] != heads
+    if isinstance(mask, Packed):  # elsewhere (CPU): a block-diagonal causal mask over the row; exact, O(N^2) memory
+        segment = torch.searchsorted(mask.cu_seqlens[1:].long(), torch.arange(t, device=q.device), right=True)
+        allowed = (segment[:, None] == segment[None, :]) & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return y.transpose(1, 2)
+
+
+class RotaryEmbedding(torch.autograd.Function):
+    """LitGPT's apply_rope, x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), in 3 kernels each way and
+    keeping only the tables for the backward pass: rotate_half(x) sin = roll(x) s' with roll(x) = (x2, x1) (x rolled
+    by half the head) and s' = (-sin1, sin2), so the forward is one multiply and one addcmul. The map is linear in x
+    and its transpose is the same with -s', so the backward is too. LitGPT's version runs ~6 kernels each way per
+    tensor (a negation, two concatenations, two multiplies, an add)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        ctx.save_for_backward(cos, signed_sin)
+        return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, signed_sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        return torch.addcmul(grad * cos, grad.roll(half, dims=-1), signed_sin, value=-1).to(grad.dtype), None, None
+
+
+def attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None, input_pos=None,
+                      input_pos_maxp1=None) -> torch.Tensor:
+    """CausalSelfAttention.forward for training Llama-style attention (train.fast_attention): RoPE on q and k
+    together as one RotaryEmbedding (q and k are adjacent columns of the qkv output), and k, v left at their
+    n_query_groups heads for the kernel, where LitGPT's forward ropes q and k separately, concatenates each with its
+    (empty) unroped part and repeats k and v to all heads (TinyLlama: 4 groups copied to 32 heads, each way).
+    With a KV cache (generation) it is LitGPT's own forward."""
+    if input_pos is not None:
+        return type(self).forward(self, x, cos, sin, mask, input_pos, input_pos_maxp1)
+    b, t, _ = x.shape
+    heads, groups, head_size = self.config.n_head, self.config.n_query_groups, self.config.head_size
+    qk, v = self.qkv(x).split(((heads + groups) * head_size, groups * head_size), dim=-1)
+    qk = RotaryEmbedding.apply(qk.view(b, t, heads + groups, head_size), cos.unsqueeze(2), sin.unsqueeze(2))
+    q, k = qk.split((heads, groups), dim=2)  # split (not slicing): its backward is one concatenation
+    y = causal_attention(self, q, k, v.view(b, t, groups, head_size), mask)
+    return self.proj(y.reshape(b, t, heads * head_size))
+
+
+def fast_attention_applies(config) -> bool:
+    """attention_forward covers Llama-style attention: RoPE over the whole head, no q/k norms, no interleaved RoPE."""
+    return (config.rope_n_elem == config.head_size and not config.norm_qk
+            and not getattr(config, "rope_interleave", False))
 
 
 def _add_low_rank(pretrained: torch.Tensor, after_a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -385,9 +449,10 @@ def rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), rms_norm_weight(self), self.eps)
 
 
-def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True) -> None:
-    """Swap in packed attention; with ``lora`` (train.fast_lora), the matmul LoRA layers; with ``norm``
-    (train.fused_rms_norm), torch's rms_norm. Per instance: LitGPT's classes stay untouched."""
+def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True, attention: bool = True) -> None:
+    """Swap in packed attention; with ``attention`` (train.fast_attention), attention_forward where it applies; with
+    ``lora`` (train.fast_lora), the matmul LoRA layers; with ``norm`` (train.fused_rms_norm), torch's rms_norm.
+    Per instance: LitGPT's classes stay untouched."""
     import types
 
     from litgpt.lora import LoRALinear, LoRAQKVLinear
@@ -396,6 +461,8 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
     for module in model.modules():
         if isinstance(module, CausalSelfAttention):
             module.scaled_dot_product_attention = types.MethodType(packed_attention, module)
+            if attention and fast_attention_applies(module.config):
+                module.forward = types.MethodType(attention_forward, module)
         if lora and isinstance(module, LoRAQKVLinear):
             module.forward = types.MethodType(lora_qkv_forward, module)
         elif lora and isinstance(module, LoRALinear):

@@ -193,6 +193,18 @@ class TrainConfig:
     On the H100 (benchmarks/results/layers-tiny) TinyLlama LoRA went from 36,679 to 43,468 real tok/s and 8.09 to
     7.76 GiB peak reserved, full bf16-true from 39,529 to 49,338 and 20.40 to 18.47 GiB. false runs LitGPT's norm."""
 
+    skip_nonfinite_on_device: bool = True
+    """Launch each optimizer step before reading the step's loss, and let the optimizer skip the update on the device
+    when the loss or gradient norm is not finite (torch's fused Adam/AdamW/SGD; others read the loss first). The host
+    then does not wait for the GPU before the update; a non-finite loss still stops the run with the weights of the
+    step before. false: read the loss, then launch the update (one GPU-idle gap per step), for comparison."""
+
+    fast_attention: bool = True
+    """Attention's training forward with RoPE on q and k as one function of 3 kernels each way, and the grouped k, v
+    heads passed to flash attention as they are (model.attention_forward), instead of LitGPT's forward, which runs ~6
+    kernels each way per rotated tensor and copies k and v to every query head (TinyLlama: 4 groups to 32 heads). The
+    same function; false runs LitGPT's forward, for comparison. Llama-style attention only (others keep LitGPT's)."""
+
     loss_chunk: int = 1024
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so
     (tokens x vocabulary) logits never exist at once. 0: the whole micro-batch at once (fastest, most memory).
@@ -240,9 +252,10 @@ class LoggingConfig:
 
     memory_snapshot: int = 0
     """Record the CUDA allocator's history from just before the first micro-step (and any CUDA graph capture)
-    through optimizer step N, and write out_dir/memory_snapshot.pickle: every allocation with its Python stack, by
-    pool, to open in pytorch.org/memory_viz. A run that runs out of memory first writes it at that point. 0: off.
-    CUDA only."""
+    through optimizer step N, and write out_dir/memory_snapshot.pickle: every allocation, by pool, to open in
+    pytorch.org/memory_viz, with its Python stack when the backward pass recomputes nothing (train.loss_chunk 0, no
+    activation checkpointing: gathering stacks during a recompute stops torch 2.11). A run that runs out of memory
+    first writes it at that point. 0: off. CUDA only."""
 
     nvtx: bool = False
     """Mark forward, backward and optimizer phases with NVTX ranges, so an Nsight Systems capture

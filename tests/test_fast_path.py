@@ -314,7 +314,7 @@ def test_ledger_traces_mixed_precision_with_an_fp32_residual_stream(tiny_recipe)
 
 
 _REFERENCE_VARLEN_REGISTERED = False
-_REFERENCE_VARLEN_CALLS = {"forward": 0, "backward": 0}
+_REFERENCE_VARLEN_CALLS = {"forward": 0, "backward": 0, "kv_heads": set()}
 
 
 def _register_reference_varlen_kernels() -> None:
@@ -334,29 +334,38 @@ def _register_reference_varlen_kernels() -> None:
     def segments(cu):
         return [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
 
+    def all_heads(t, heads):  # grouped k/v heads (flash attention reads each group for its queries) -> (L, H, D)
+        return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+    def per_group(t, groups):  # a gradient over all heads -> summed over each group's heads: (L, groups, D)
+        return t.unflatten(1, (groups, t.shape[1] // groups)).sum(2)
+
     def forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, *rest):
         assert is_causal
         _REFERENCE_VARLEN_CALLS["forward"] += 1
+        _REFERENCE_VARLEN_CALLS["kv_heads"].add(key.shape[1])
         out = torch.zeros_like(query)
         for a, b in segments(cu_seq_q):
-            q, k, v = (t[a:b].float() for t in (query, key, value))
+            q, k, v = (all_heads(t[a:b].float(), query.shape[1]) for t in (query, key, value))
             out[a:b] = (probabilities(q, k, scale) @ v.transpose(0, 1)).transpose(0, 1).to(out.dtype)
         lse = torch.zeros(query.shape[1], query.shape[0])
         return out, lse, torch.zeros(2, dtype=torch.int64)
 
     def backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state,
-                 scale=None, window_size=None):
+                 scale=None, *rest):
         _REFERENCE_VARLEN_CALLS["backward"] += 1
         dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        groups = key.shape[1]
         for a, b in segments(cu_seq_q):
-            q, k, v, g = (t[a:b].float() for t in (query, key, value, grad_out))
+            q, g = query[a:b].float(), grad_out[a:b].float()
+            k, v = (all_heads(t[a:b].float(), query.shape[1]) for t in (key, value))
             p = probabilities(q, k, scale)  # (H, L, L)
             g_heads = g.transpose(0, 1)  # (H, L, D)
-            dv[a:b] = (p.transpose(1, 2) @ g_heads).transpose(0, 1).to(dv.dtype)
+            dv[a:b] = per_group((p.transpose(1, 2) @ g_heads).transpose(0, 1), groups).to(dv.dtype)
             dp = g_heads @ v.transpose(0, 1).transpose(1, 2)
             ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
             dq[a:b] = (ds @ k.transpose(0, 1)).transpose(0, 1).to(dq.dtype)
-            dk[a:b] = (ds.transpose(1, 2) @ q.transpose(0, 1)).transpose(0, 1).to(dk.dtype)
+            dk[a:b] = per_group((ds.transpose(1, 2) @ q.transpose(0, 1)).transpose(0, 1), groups).to(dk.dtype)
         return dq, dk, dv
 
     varlen._varlen_attn.register_kernel("cpu")(forward)
@@ -364,8 +373,9 @@ def _register_reference_varlen_kernels() -> None:
     _REFERENCE_VARLEN_REGISTERED = True
 
 
+@pytest.mark.parametrize("fast_attention", [True, False])
 def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compiles_to_one_graph(
-        tiny_recipe, monkeypatch):
+        tiny_recipe, monkeypatch, fast_attention):
     """packed_attention's CUDA branch (torch's varlen op; CPU tests otherwise take the masked-SDPA branch), run on the
     CPU with reference kernels: the same loss and gradients as the masked branch, eager and compiled, and one
     compiled graph of the block for rows of every length (aot_eager: dynamo's graphs and guards, no kernels)."""
@@ -377,9 +387,9 @@ def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compi
     if _VARLEN_KWARGS is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     _register_reference_varlen_kernels()
-    _REFERENCE_VARLEN_CALLS.update(forward=0, backward=0)
+    _REFERENCE_VARLEN_CALLS.update(forward=0, backward=0, kv_heads=set())
     gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
-    use_fast_layers(gpt)
+    use_fast_layers(gpt, attention=fast_attention)
     masked = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
     monkeypatch.setattr(litft.model, "VARLEN_DEVICES", ("cuda", "cpu"))
     eager = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
@@ -400,4 +410,57 @@ def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compi
     assert counters["stats"]["unique_graphs"] == 1, (dict(counters["stats"]), dict(counters["graph_break"]))
     # the varlen branch ran: 3 batches x 2 models x the tiny model's blocks, forward and backward
     assert _REFERENCE_VARLEN_CALLS["forward"] == _REFERENCE_VARLEN_CALLS["backward"] == 3 * 2 * gpt.config.n_layer
+    # fast attention hands the kernel the grouped k, v heads; LitGPT's forward repeats them to every query head
+    config = gpt.config
+    assert _REFERENCE_VARLEN_CALLS["kv_heads"] == {config.n_query_groups if fast_attention else config.n_head}
     torch._dynamo.reset()
+
+
+def test_rotary_embedding_function_is_litgpts_apply_rope_with_its_gradient():
+    from litgpt.model import apply_rope, build_rope_cache
+
+    from litft.model import RotaryEmbedding
+
+    cos, sin = build_rope_cache(12, 8, device=torch.device("cpu"))
+    cos, sin = cos.double()[None, :, None], sin.double()[None, :, None]  # (1, T, 1, D): over every head
+    x = torch.randn(2, 12, 3, 8, dtype=torch.float64, requires_grad=True)
+    reference = apply_rope(x.transpose(1, 2), cos[:, :, 0], sin[:, :, 0]).transpose(1, 2)
+    torch.testing.assert_close(RotaryEmbedding.apply(x, cos, sin), reference)
+    assert torch.autograd.gradcheck(lambda t: RotaryEmbedding.apply(t, cos, sin), (x,))
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_fast_attention_gives_litgpts_loss_and_gradients_packed_and_padded(tiny_recipe, method):
+    """attention_forward (RoPE as one function, grouped k/v heads left grouped) against LitGPT's forward, on the
+    tiny model's grouped-query attention (4 heads, 2 groups), for padded rows (SDPA, causal) and a packed row."""
+    from litgpt.model import GPT
+
+    from litft.model import attention_forward
+
+    if method == "lora":
+        gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
+    else:
+        torch.manual_seed(0)
+        gpt = GPT(model_config(tiny_recipe(method="full")))
+    assert gpt.config.n_query_groups < gpt.config.n_head
+    litgpt_attention = copy.deepcopy(gpt)
+    use_fast_layers(litgpt_attention, attention=False)
+    use_fast_layers(gpt)
+    assert vars(gpt.transformer.h[0].attn)["forward"].__func__ is attention_forward
+    assert "forward" not in vars(litgpt_attention.transformer.h[0].attn)
+    fast = CausalLM(gpt, loss_chunk=0, max_seq_length=64)
+    reference = CausalLM(litgpt_attention, loss_chunk=0, max_seq_length=64)
+    samples = _samples([37, 12, 50, 5])
+    for batch in (collate(samples, pad_id=0), collate_packed(samples, pad_id=0)):
+        loss, grads = _loss_and_grads(fast, batch)
+        loss_ref, grads_ref = _loss_and_grads(reference, batch)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == grads_ref.keys() and grads
+        for name in grads_ref:
+            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # generation (a KV cache) runs LitGPT's own forward
+    gpt.set_kv_cache(batch_size=1, max_seq_length=16)
+    litgpt_attention.set_kv_cache(batch_size=1, max_seq_length=16)
+    ids = torch.randint(0, 300, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(gpt(ids, input_pos=torch.arange(5)), litgpt_attention(ids, input_pos=torch.arange(5)))
