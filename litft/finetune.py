@@ -197,7 +197,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f" ({100 * counts.trainable / counts.total:.2f}%)"
         )
         use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
-                        attention=recipe.train.fast_attention)
+                        attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -210,6 +210,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f" {'on' if recipe.train.activation_checkpointing else 'off'}"
             + f", RMSNorm {'fused' if recipe.train.fused_rms_norm else 'LitGPT'}"
             + f", attention {'fast' if recipe.train.fast_attention else 'LitGPT'}"
+            + f", SwiGLU {'lean' if recipe.train.lean_swiglu else 'LitGPT'}"
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
@@ -348,7 +349,6 @@ def fit(
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
-    device_skip = device_skipping_optimizer(fabric, optimizer) if recipe.train.skip_nonfinite_on_device else None
     progress.start()
     while state["step"] < total_steps:
         step = state["step"] + 1
@@ -384,16 +384,9 @@ def fit(
         if fabric.world_size > 1:
             step_loss = fabric.all_reduce(step_loss, reduce_op="sum")
         check = torch.stack([step_loss, grad_norm.float() if grad_norm is not None else step_loss])
-        if device_skip is not None:
-            # Launched before the loss is read: the fused optimizer skips the update on the device when found_inf
-            # is 1, so the host queues the step's update while the GPU still runs the backward pass, instead of
-            # waiting for it here and leaving the GPU idle while it launches the update (TinyLlama LoRA under CUDA
-            # graphs: ~20 ms of an 88 ms step, H100, benchmarks/results/profile-tiny-2).
-            device_skip.found_inf = (~torch.isfinite(check).all()).float()
-            with mark("optimizer"):
-                step_optimizer(optimizer, micro_step)
-            del device_skip.found_inf
-        # One host-device sync per step: the weights change only if the loss (and grad norm) are finite.
+        # One host-device sync per step: the loss (and grad norm) must be finite BEFORE the weights change.
+        # (Launching the update first, for a fused optimizer to skip on the device, measured no faster on the H100:
+        # benchmarks/results/overlap-tiny.)
         loss_value, norm_value = check.tolist()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             what = "loss" if not math.isfinite(loss_value) else "gradient norm"
@@ -403,9 +396,10 @@ def fit(
                 f" {step - 1}. Try a lower optimizer.init_args.lr (now {recipe.optimizer.init_args.get('lr')}),"
                 " train.max_grad_norm, or precision bf16-mixed/32-true"
             )
-        if device_skip is None:
-            with mark("optimizer"):
-                step_optimizer(optimizer, micro_step)
+        with mark("optimizer"):
+            optimizer.step()
+            # CUDA graphs add into the gradients' fixed addresses: zero them in place rather than free them
+            optimizer.zero_grad(set_to_none=not micro_step.keeps_gradients)
         scheduler.step()
         clock.stop(step)
         state["step"] = step
@@ -457,25 +451,6 @@ def fit(
             if writer is not None:
                 writer.write(row)
             progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
-
-
-def step_optimizer(optimizer, micro_step) -> None:
-    optimizer.step()
-    # CUDA graphs add into the gradients' fixed addresses: zero them in place rather than free them
-    optimizer.zero_grad(set_to_none=not micro_step.keeps_gradients)
-
-
-def device_skipping_optimizer(fabric, optimizer) -> torch.optim.Optimizer | None:
-    """The torch optimizer under Fabric's wrapper if it can skip a step on the device (train.skip_nonfinite_on_device):
-    torch's fused Adam, AdamW and SGD read a `found_inf` tensor (GradScaler's protocol) and leave weights, moments and
-    step count untouched when it is 1. None where it cannot: other optimizers (foreach, bitsandbytes' 8-bit),
-    DeepSpeed's own optimizer step, and 16-mixed, whose GradScaler sets found_inf itself."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    fused = isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and inner.defaults.get("fused")
-    scaler = getattr(fabric.strategy.precision, "scaler", None)
-    if not fused or scaler is not None or "deepspeed" in type(fabric.strategy).__name__.lower():
-        return None
-    return inner
 
 
 COMPILE_PAYS_OFF_S = 120.0
@@ -803,6 +778,8 @@ class StepProfiler:
             averages = self._prof.key_averages()
             sort = "cuda_time_total" if cuda else "cpu_time_total"
             self.say(averages.table(sort_by=sort, row_limit=25))
+            if cuda:  # where the host's time goes: with CUDA graphs the GPU waits on it if this adds up to a step
+                self.say(averages.table(sort_by="self_cpu_time_total", row_limit=15))
             steps = self.end - self.start + 1
             if cuda:
                 kernels = [e for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -196,7 +196,7 @@ def activation_bytes_per_token_layer(
     compiled = assumes_compiled(recipe, compiled)
     key = repr((_TRACE_VERSION, repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets),
                 recipe.lora.dropout, compiled, recipe.train.fast_lora, recipe.train.fused_rms_norm, recipe.train.fast_attention,
-                torch.__version__))
+                recipe.train.lean_swiglu, torch.__version__))
     if key not in _TRACE_CACHE:
         _TRACE_CACHE.update(_load_disk_cache())
     if key not in _TRACE_CACHE and cached_only:
@@ -289,7 +289,7 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
     if mark_only_lora_as_trainable is not None:
         mark_only_lora_as_trainable(block)
     use_fast_layers(block, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
-                    attention=recipe.train.fast_attention)
+                    attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu)
     if recipe.train.fused_rms_norm and not compiled:
         for module in block.modules():
             if isinstance(module, RMSNorm) and "forward" in vars(module):

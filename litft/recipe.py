@@ -193,17 +193,16 @@ class TrainConfig:
     On the H100 (benchmarks/results/layers-tiny) TinyLlama LoRA went from 36,679 to 43,468 real tok/s and 8.09 to
     7.76 GiB peak reserved, full bf16-true from 39,529 to 49,338 and 20.40 to 18.47 GiB. false runs LitGPT's norm."""
 
-    skip_nonfinite_on_device: bool = True
-    """Launch each optimizer step before reading the step's loss, and let the optimizer skip the update on the device
-    when the loss or gradient norm is not finite (torch's fused Adam/AdamW/SGD; others read the loss first). The host
-    then does not wait for the GPU before the update; a non-finite loss still stops the run with the weights of the
-    step before. false: read the loss, then launch the update (one GPU-idle gap per step), for comparison."""
-
     fast_attention: bool = True
     """Attention's training forward with RoPE on q and k as one function of 3 kernels each way, and the grouped k, v
     heads passed to flash attention as they are (model.attention_forward), instead of LitGPT's forward, which runs ~6
     kernels each way per rotated tensor and copies k and v to every query head (TinyLlama: 4 groups to 32 heads). The
     same function; false runs LitGPT's forward, for comparison. Llama-style attention only (others keep LitGPT's)."""
+
+    lean_swiglu: bool = True
+    """The LLaMA MLP's silu(fc_1(x)) recomputed in the backward pass rather than kept (model.SwiGLU): one tensor of
+    intermediate_size per token and block less (TinyLlama: 11 KB; 1 GiB for a 4,096-position full fine-tune
+    micro-batch), for one elementwise pass more. false: LitGPT's MLP forward, for comparison."""
 
     loss_chunk: int = 1024
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so

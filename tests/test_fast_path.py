@@ -464,3 +464,32 @@ def test_fast_attention_gives_litgpts_loss_and_gradients_packed_and_padded(tiny_
     ids = torch.randint(0, 300, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(gpt(ids, input_pos=torch.arange(5)), litgpt_attention(ids, input_pos=torch.arange(5)))
+
+
+def test_swiglu_function_is_litgpts_mlp_with_its_gradient_and_keeps_one_tensor_less(tiny_recipe):
+    from litgpt.model import GPT
+
+    from litft.model import SwiGLU, mlp_forward
+
+    a, b = (torch.randn(3, 7, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    torch.testing.assert_close(SwiGLU.apply(a, b), torch.nn.functional.silu(a) * b)
+    assert torch.autograd.gradcheck(SwiGLU.apply, (a, b))
+    torch.manual_seed(0)
+    gpt = GPT(model_config(tiny_recipe(method="full")))
+    mlp = gpt.transformer.h[0].mlp
+    use_fast_layers(gpt)
+    assert vars(mlp)["forward"].__func__ is mlp_forward
+    x = torch.randn(2, 5, gpt.config.n_embd, requires_grad=True)
+
+    def saved_elements(forward):
+        count = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
+            out = forward(x)
+        return out, sum(count)
+
+    lean, lean_saved = saved_elements(mlp)
+    litgpt, litgpt_saved = saved_elements(lambda t: type(mlp).forward(mlp, t))
+    torch.testing.assert_close(lean, litgpt)
+    assert litgpt_saved - lean_saved == 2 * 5 * gpt.config.intermediate_size  # silu(fc_1(x)) no longer kept
+    (g_lean,), (g_litgpt,) = torch.autograd.grad(lean.sum(), x), torch.autograd.grad(litgpt.sum(), x)
+    torch.testing.assert_close(g_lean, g_litgpt)

@@ -123,10 +123,9 @@ def test_resuming_with_a_changed_setting_that_matters_is_refused_with_the_differ
         litft.finetune(_resumable(tiny_recipe, "lora", out_dir=str(tmp_path / "empty")), resume="auto")
 
 
-@pytest.mark.parametrize("fused", [False, True])  # True: the update is launched first and skipped on the device
-def test_non_finite_loss_stops_before_the_update_with_step_and_rank(tiny_recipe, fused):
+def test_non_finite_loss_stops_before_the_update_with_step_and_rank(tiny_recipe):
     recipe = tiny_recipe(
-        method="full", optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 1e30, "fused": fused}},
+        method="full", optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 1e30}},
         train={"max_steps": 4, "save_interval": 1, "max_grad_norm": None}, eval={"initial": False, "interval": 0},
     )
     with pytest.raises(NonFiniteLossError) as info:
@@ -219,36 +218,3 @@ def test_a_field_added_since_the_checkpoint_compares_as_what_its_absence_meant(t
     # pack_steps is on by default now: resuming such a checkpoint with the defaults would change the data order
     refuse, _ = resume_differences(saved, tiny_recipe(train={"max_grad_norm": None}))
     assert refuse == ["data.pack_steps: checkpoint False, now True"]
-
-
-@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
-def test_a_fused_optimizer_given_found_inf_leaves_weights_and_state_as_they_were(cls):
-    """What train.skip_nonfinite_on_device relies on: torch's fused step with found_inf = 1 changes nothing (weights,
-    moments, step count), and with found_inf = 0 is the plain step."""
-    from types import SimpleNamespace
-
-    from litft.finetune import device_skipping_optimizer
-
-    torch.manual_seed(0)
-    weights = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
-    reference = [torch.nn.Parameter(w.detach().clone()) for w in weights]
-    kwargs = {"lr": 0.1, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 0.1}
-    optimizer, plain = cls(weights, fused=True, **kwargs), cls(reference, **kwargs)
-    fabric = SimpleNamespace(strategy=SimpleNamespace(precision=SimpleNamespace()))
-    assert device_skipping_optimizer(fabric, optimizer) is optimizer
-    assert device_skipping_optimizer(fabric, cls(reference, **kwargs)) is None  # not fused: the loss is read first
-    for step in range(3):
-        grads = [torch.randn(4, 3) for _ in weights]
-        for p, q, g in zip(weights, reference, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        before = [w.detach().clone() for w in weights]
-        state_before = {k: v.clone() for k, v in optimizer.state[weights[0]].items()}
-        optimizer.found_inf = torch.tensor(float(step == 1))
-        optimizer.step()
-        del optimizer.found_inf
-        if step == 1:  # skipped: nothing moved, and the reference optimizer does not step either
-            assert all(torch.equal(a, b) for a, b in zip(before, weights))
-            assert all(torch.equal(v, optimizer.state[weights[0]][k]) for k, v in state_before.items())
-        else:
-            plain.step()
-            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(weights, reference))
