@@ -233,6 +233,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-compiled-again", "tiny-llama-lora", GPU + steps(40) + ["--train.compile", "always"]),
         ("full-compiled", "tiny-llama-full", GPU + steps(30) + ["--train.compile", "always"]),
     ],
+    # Issue 5, session 9: train.lean_mixed_linear (-mixed: the fp32 weight kept for the backward pass and cast again
+    # there, not autocast's 16-bit copy of every weight: 1.9 GiB less predicted for TinyLlama) on and off, against
+    # LitGPT's 30.88 GiB reserved for full bf16-mixed (swiglu-tiny: 30.96 with it off, the default then); and the
+    # compiled full fine-tune, bf16-true and bf16-mixed, for the 45% MFU target (eager + graphs: 33.3%, swiglu-tiny).
+    "mixed-compiled-tiny": [
+        ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
+        ("full-mixed-autocast-linear", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed",
+                                                                              "--train.lean_mixed_linear", "false"]),
+        ("full-compiled", "tiny-llama-full", GPU + steps(30) + ["--train.compile", "always"]),
+        ("full-mixed-compiled", "tiny-llama-full", GPU + steps(30) + ["--precision", "bf16-mixed",
+                                                                       "--train.compile", "always"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -197,7 +197,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             f" ({100 * counts.trainable / counts.total:.2f}%)"
         )
         use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
-                        attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu)
+                        attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu,
+                        mixed_linear=recipe.recasts_mixed_weights)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -211,6 +212,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + f", RMSNorm {'fused' if recipe.train.fused_rms_norm else 'LitGPT'}"
             + f", attention {'fast' if recipe.train.fast_attention else 'LitGPT'}"
             + f", SwiGLU {'lean' if recipe.train.lean_swiglu else 'LitGPT'}"
+            + (f", -mixed weights {'recast in backward' if recipe.recasts_mixed_weights else 'kept by autocast'}"
+               if recipe.precision.endswith("-mixed") else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)

@@ -289,7 +289,8 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
     if mark_only_lora_as_trainable is not None:
         mark_only_lora_as_trainable(block)
     use_fast_layers(block, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
-                    attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu)
+                    attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu,
+                    mixed_linear=recipe.recasts_mixed_weights)
     if recipe.train.fused_rms_norm and not compiled:
         for module in block.modules():
             if isinstance(module, RMSNorm) and "forward" in vars(module):
@@ -411,9 +412,16 @@ def estimate_memory(
             detail += ": the fp32 master weights of -mixed"
     parts.append(Part("weights", weights / GIB, detail))
     if mixed:
-        # autocast casts each weight to 16 bits for its matmul and keeps the cast for the backward pass
-        cast = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n) * compute_bytes
-        parts.append(Part("16-bit weight copies", cast / GIB, "autocast's per-step casts, kept for the backward pass"))
+        matrices = [p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n]
+        if recipe.recasts_mixed_weights and sharding == "none":
+            # train.lean_mixed_linear: one layer's cast alive at a time (the largest: usually the output layer).
+            # A sharded plan is for FSDP/DeepSpeed, whose own mixed precision keeps the casts (see shard_model_state)
+            parts.append(Part("16-bit weight copies", max(matrices) * compute_bytes / GIB,
+                              "one layer's cast at a time (train.lean_mixed_linear recasts in the backward pass)"))
+        else:
+            # autocast casts each weight to 16 bits for its matmul and keeps the cast for the backward pass
+            parts.append(Part("16-bit weight copies", sum(matrices) * compute_bytes / GIB,
+                              "autocast's per-step casts, kept for the backward pass"))
 
     grads = n_trainable * pbytes
     parts.append(Part("gradients", grads / GIB, f"{n_trainable / 1e6:.1f}M trainable x {pbytes} B"))

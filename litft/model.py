@@ -406,6 +406,44 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.proj(SwiGLU.apply(self.fc_1(x), self.fc_2(x)))
 
 
+class MixedPrecisionLinear(torch.autograd.Function):
+    """F.linear under autocast (-mixed precision) keeping the fp32 weight, not a 16-bit copy, for the backward pass,
+    which casts it again. Autocast casts each weight to 16 bits for its matmul, and the matmul keeps that cast until
+    its backward pass: a 16-bit copy of every weight is alive from the forward pass to the backward pass (TinyLlama:
+    1.03B matmul weights x 2 B = 1.9 GiB). Here one layer's copy is alive at a time, for one more cast per weight in
+    the backward pass (4 + 2 bytes read and written per weight: TinyLlama ~6.2 GB, ~2 ms per micro-batch on an H100).
+    The same arithmetic as autocast's linear: 16-bit inputs and weight, the gradients cast back to fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        x16 = x.to(dtype)
+        ctx.save_for_backward(x16, weight)
+        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+        return F.linear(x16, weight.to(dtype), None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x16, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight.to(grad.dtype)).to(ctx.x_dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = rows.t().mm(x16.reshape(-1, x16.shape[-1])).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def mixed_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward with MixedPrecisionLinear under autocast (train.lean_mixed_linear); outside autocast (a
+    model used after training, say) nn.Linear's own."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return F.linear(x, self.weight, self.bias)
+    return MixedPrecisionLinear.apply(x, self.weight, self.bias, torch.get_autocast_dtype(device))
+
+
 def fast_attention_applies(config) -> bool:
     """attention_forward covers Llama-style attention: RoPE over the whole head, no q/k norms, no interleaved RoPE."""
     return (config.rope_n_elem == config.head_size and not config.norm_qk
@@ -472,10 +510,12 @@ def rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True, attention: bool = True,
-                    swiglu: bool = True) -> None:
+                    swiglu: bool = True, mixed_linear: bool = False) -> None:
     """Swap in packed attention; with ``attention`` (train.fast_attention), attention_forward where it applies; with
     ``lora`` (train.fast_lora), the matmul LoRA layers; with ``norm`` (train.fused_rms_norm), torch's rms_norm; with
-    ``swiglu`` (train.lean_swiglu), mlp_forward in LLaMA MLPs. Per instance: LitGPT's classes stay untouched."""
+    ``swiglu`` (train.lean_swiglu), mlp_forward in LLaMA MLPs; with ``mixed_linear`` (train.lean_mixed_linear, for
+    -mixed precision), mixed_linear_forward in every plain nn.Linear (LoRA's base layers and the output layer
+    included; bitsandbytes' 4-bit layers, a subclass, keep theirs). Per instance: LitGPT's classes stay untouched."""
     import types
 
     from litgpt.lora import LoRALinear, LoRAQKVLinear
@@ -494,6 +534,8 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
             module.forward = types.MethodType(lora_linear_forward, module)
         elif norm and isinstance(module, RMSNorm) and module.dim == -1:
             module.forward = types.MethodType(rms_norm_forward, module)
+        elif mixed_linear and type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(mixed_linear_forward, module)
 
 
 class CausalLM(torch.nn.Module):

@@ -493,3 +493,96 @@ def test_swiglu_function_is_litgpts_mlp_with_its_gradient_and_keeps_one_tensor_l
     assert litgpt_saved - lean_saved == 2 * 5 * gpt.config.intermediate_size  # silu(fc_1(x)) no longer kept
     (g_lean,), (g_litgpt,) = torch.autograd.grad(lean.sum(), x), torch.autograd.grad(litgpt.sum(), x)
     torch.testing.assert_close(g_lean, g_litgpt)
+
+
+def test_mixed_precision_linear_is_autocasts_linear_and_keeps_no_16bit_weight():
+    """train.lean_mixed_linear: under autocast, the same output and gradients as autocast's F.linear (bitwise: the
+    same casts and matmuls), while the tensors kept for the backward pass hold the fp32 weight, not a bf16 copy."""
+    from litft.model import mixed_linear_forward
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40, bias=True)
+    lean = copy.deepcopy(layer)
+    lean.forward = mixed_linear_forward.__get__(lean)
+    x = torch.randn(2, 5, 24)
+
+    def run(module):
+        module.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = module(inputs)
+        (out.float() * torch.linspace(-1, 1, 40)).sum().backward()
+        grads = (inputs.grad, module.weight.grad, module.bias.grad)
+        return out, grads, saved
+
+    out_autocast, grads_autocast, saved_autocast = run(layer)
+    out_lean, grads_lean, saved_lean = run(lean)
+    assert out_lean.dtype == out_autocast.dtype == torch.bfloat16
+    assert torch.equal(out_lean, out_autocast)
+    for lean_grad, autocast_grad in zip(grads_lean, grads_autocast):
+        assert lean_grad.dtype == autocast_grad.dtype == torch.float32
+        assert torch.equal(lean_grad, autocast_grad)
+    weight_shaped = lambda saved: [t.dtype for t in saved if t.numel() == layer.weight.numel()]  # noqa: E731
+    assert weight_shaped(saved_autocast) == [torch.bfloat16]  # autocast keeps its cast
+    assert weight_shaped(saved_lean) == [torch.float32]  # the parameter itself: no new memory
+    assert any(t is lean.weight for t in saved_lean)
+    # outside autocast (a model used after training) it is nn.Linear's own forward, in fp32
+    torch.testing.assert_close(lean(x), layer(x), rtol=0, atol=0)
+
+
+def test_lean_mixed_linear_runs_train_alike_and_the_ledger_keeps_one_cast(tiny_recipe, tmp_path):
+    """A bf16-mixed full fine-tune (CPU autocast) records the same losses with and without train.lean_mixed_linear;
+    its ledger counts one layer's 16-bit cast instead of every weight's."""
+    import json
+
+    from litgpt.model import GPT
+
+    from litft.memory import estimate_memory
+
+    common = dict(method="full", precision="bf16-mixed", eval={"initial": False, "final": True, "interval": 0},
+                  optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}})
+    losses, copies = {}, {}
+    for lean in (True, False):
+        recipe = tiny_recipe(**common, out_dir=str(tmp_path / str(lean)), train={"lean_mixed_linear": lean})
+        result = litft.finetune(recipe)
+        rows = (result.out_dir / "metrics.jsonl").read_text().splitlines()
+        losses[lean] = [json.loads(row)["loss"] for row in rows] + [result.val_loss]
+        copies[lean] = {p.name: p.gib for p in estimate_memory(recipe).parts}["16-bit weight copies"]
+    assert losses[True] == losses[False]
+    with torch.device("meta"):
+        gpt = GPT(model_config(tiny_recipe(method="full")))
+    matrices = [p.numel() for n, p in gpt.named_parameters() if p.dim() == 2 and "wte" not in n]
+    assert copies[True] == pytest.approx(max(matrices) * 2 / 2**30)
+    assert copies[False] == pytest.approx(sum(matrices) * 2 / 2**30)
+
+
+def test_lean_mixed_linear_compiles_to_one_graph_under_autocast(tiny_recipe):
+    """The blocks with MixedPrecisionLinear, compiled ('aot_eager') under autocast, keep to one graph and give the
+    eager model's loss and gradients."""
+    from litgpt.model import GPT
+    from torch._dynamo.utils import counters
+
+    from litft.model import compile_blocks, mixed_linear_forward
+
+    torch.manual_seed(0)
+    gpt = GPT(model_config(tiny_recipe(method="full")))
+    use_fast_layers(gpt, mixed_linear=True)
+    assert vars(gpt.lm_head)["forward"].__func__ is mixed_linear_forward
+    eager = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=96)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(gpt, backend="aot_eager")
+    compiled = CausalLM(gpt, loss_chunk=0, max_seq_length=96, compiled=True)
+    for lengths in ([40, 30, 26], [60, 30, 26], [20, 12]):
+        batch = collate_packed(_samples(lengths), pad_id=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, grads = _loss_and_grads(compiled, batch)
+            loss_eager, grads_eager = _loss_and_grads(eager, batch)
+        torch.testing.assert_close(loss, loss_eager, rtol=1e-2, atol=1e-2)
+        for name in grads_eager:
+            assert grads[name].dtype == torch.float32
+            torch.testing.assert_close(grads[name], grads_eager[name], rtol=5e-2, atol=1e-3, msg=name)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()

@@ -95,6 +95,23 @@ def test_fast_attention_and_litgpts_attention_train_alike_on_cuda(tiny_recipe, t
     assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=2e-2)
 
 
+@pytest.mark.parametrize("graphs", ["never", "auto"])
+def test_lean_mixed_linear_trains_alike_on_cuda_and_keeps_less(tiny_recipe, tmp_path, graphs):
+    """train.lean_mixed_linear on and off under bf16-mixed (plainly and as CUDA graphs): the same losses within
+    bf16 rounding, and no more peak memory with it on."""
+    common = dict(method="full", precision="bf16-mixed", eval={"initial": False, "final": True, "interval": 0})
+    runs = [litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / str(lean)),
+                                       train={"compile": "never", "cuda_graphs": graphs, "lean_mixed_linear": lean}))
+            for lean in (True, False)]
+    rows = [[json.loads(line)["loss"] for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
+            for r in runs]
+    assert len(rows[0]) == len(rows[1]) == 4
+    assert rows[0] == pytest.approx(rows[1], rel=2e-2)
+    assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=2e-2)
+    peaks = [r.result["memory"]["peak_reserved_gib"] for r in runs]
+    assert peaks[0] <= peaks[1], peaks
+
+
 def test_qlora_save_resume_and_merge_round_trip(tiny_recipe, tiny_checkpoint_dir, tmp_path):
     """Issue 4 on the GPU: a QLoRA run resumed from its step-2 checkpoint ends with the adapters of the
     uninterrupted run, and the merged checkpoint (base bf16 weights + adapter) gives logits close to the 4-bit model's
