@@ -245,6 +245,13 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-mixed-compiled", "tiny-llama-full", GPU + steps(30) + ["--precision", "bf16-mixed",
                                                                        "--train.compile", "always"]),
     ],
+    # Issue 5, session 9: the compiled full fine-tune again, with inductor's mix-order reduction off (in
+    # mixed-compiled-tiny it guarded on the row count: 3 graphs, a recompile inside a capture, CUDA graphs off).
+    "compile-full-tiny": [
+        ("full-compiled", "tiny-llama-full", GPU + steps(30) + ["--train.compile", "always"]),
+        ("full-mixed-compiled", "tiny-llama-full", GPU + steps(30) + ["--precision", "bf16-mixed",
+                                                                       "--train.compile", "always"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

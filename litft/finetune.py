@@ -654,7 +654,7 @@ class GraphedMicroSteps:
                 self.fabric.backward(static_loss * self.scale)
         except Exception as err:  # noqa: BLE001 - any capture failure: retry after a warm-up, or fall back
             self.capture_s += time.perf_counter() - start
-            reset_capture_state()
+            reset_capture_state(self.fabric.device, self.pool)
             if not last_try:
                 return False
             self.failed = True
@@ -676,12 +676,22 @@ class GraphedMicroSteps:
                 "plain_warmup_s": round(self.plain_warmup_s, 3), "capture_s": round(self.capture_s, 3)}
 
 
-def reset_capture_state() -> None:
-    """After a capture that raised, let random ops (dropout) run plainly again.
+def reset_capture_state(device: torch.device | None = None, pool=None) -> None:
+    """After a capture that raised, let random ops (dropout) run plainly again, and the graphs' pool be captured into.
 
     A capture marks the CUDA random generator as capturing and unmarks it when the capture ends; a capture that
     raised never unmarks it, and the next plain dropout then fails ("Offset increment outside graph capture").
-    Capturing an empty graph marks and unmarks it again."""
+    Capturing an empty graph marks and unmarks it again. A capture that raised can also leave the allocator
+    recording into `pool` (torch stops that after ending the capture, which failed), and the next capture into it
+    then fails with "beginAllocateToPool: already recording to mempool_id" (seen on the H100: a recompile inside a
+    capture turned CUDA graphs off for the rest of a compiled run); that recording is ended here."""
+    end_recording = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if pool is not None and end_recording is not None:
+        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+        try:
+            end_recording(index, pool)
+        except RuntimeError:  # not recording into it: the capture ended that itself
+            pass
     try:
         torch.cuda.synchronize()
         with torch.cuda.graph(torch.cuda.CUDAGraph()):

@@ -621,5 +621,14 @@ def compile_blocks(gpt: torch.nn.Module, backend: str = "inductor") -> None:
     code), which compiles in seconds rather than minutes and keeps the loop and the loss in eager Python. Build the
     CausalLM with compiled=True, so its inputs keep to that one graph. ``backend``: torch.compile's (tests use
     'aot_eager': the same graphs and guards without generating kernels)."""
+    from torch._inductor import config as inductor_config
+
+    options = {}
+    if backend == "inductor" and hasattr(inductor_config.triton, "mix_order_reduction"):
+        # Inductor's mix-order reduction (a row reduction fused with a column reduction of the same tensor: the
+        # RMSNorm weight's gradient) decides by the row count, and guards on it: a full fine-tune compiled 3 graphs
+        # of the block (rows >= 4,096, 2,560-4,095, fewer) and recompiled while CUDA graphs captured its other row
+        # widths (H100, benchmarks/results/mixed-compiled-tiny). Off, the block keeps to one graph.
+        options["options"] = {"triton.mix_order_reduction": False}
     for block in gpt.transformer.h:
-        block.compile(dynamic=True, backend=backend)
+        block.compile(dynamic=True, backend=backend, **options)

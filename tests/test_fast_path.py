@@ -586,3 +586,24 @@ def test_lean_mixed_linear_compiles_to_one_graph_under_autocast(tiny_recipe):
             torch.testing.assert_close(grads[name], grads_eager[name], rtol=5e-2, atol=1e-3, msg=name)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_inductor_compiles_blocks_without_mix_order_reduction(tiny_recipe, monkeypatch):
+    """compile_blocks turns inductor's mix-order reduction off: it guards on the row count and split a full fine-tune's
+    block into 3 graphs on the H100. Other backends get no inductor options."""
+    from litgpt.model import GPT
+    from torch._inductor import config as inductor_config
+
+    from litft.model import compile_blocks
+
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
+    with torch.device("meta"):
+        gpt = GPT(model_config(tiny_recipe(method="full")))
+    compile_blocks(gpt)
+    assert len(calls) == gpt.config.n_layer
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        assert calls[0]["options"] == {"triton.mix_order_reduction": False}
+    calls.clear()
+    compile_blocks(gpt, backend="aot_eager")
+    assert "options" not in calls[0]

@@ -222,7 +222,7 @@ def test_qlora_with_dropout_replays_as_cuda_graphs(tiny_recipe):
     assert result.status == "ok" and graphs["on"] and graphs["failure"] is None and graphs["replays"] >= 4, graphs
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_compiled_blocks_are_one_graph_on_cuda(tiny_recipe, method):
     """The block compiles to one graph on CUDA too (varlen attention, dropout, 4-bit layers). The run's count leaves
     out the ledger's trace (2 of the 3 graphs TinyLlama LoRA reported on the H100 before, results/compile-tiny; the
@@ -255,6 +255,28 @@ def test_a_failed_capture_leaves_random_ops_usable():
     reset_capture_state()
     kept = torch.nn.functional.dropout(x, 0.5)  # raised "Offset increment outside graph capture" before the reset
     assert 0 < int((kept != 0).sum()) < 64
+
+
+def test_a_failed_capture_leaves_the_shared_pool_capturable():
+    """A capture into the graphs' shared pool that raised (a compile inside it, say) left the allocator recording into
+    the pool, and every later capture into it failed ("already recording to mempool_id"): reset_capture_state ends
+    that, and the next capture into the pool replays correctly."""
+    from litft.finetune import reset_capture_state
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pool = torch.cuda.graph_pool_handle()
+    x = torch.ones(64, device=device)
+    with pytest.raises(Exception):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool, capture_error_mode="thread_local"):
+            (x * 2).sum().item()  # a copy to the host cannot be captured
+    reset_capture_state(device, pool)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        y = x * 3
+    x.fill_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 6.0))
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
