@@ -685,7 +685,8 @@ def reset_capture_state(device: torch.device | None = None, pool=None) -> None:
     recording into `pool` (torch stops that after ending the capture, which failed), and the next capture into it
     then fails with "beginAllocateToPool: already recording to mempool_id" (seen on the H100: a recompile inside a
     capture turned CUDA graphs off for the rest of a compiled run); that recording is ended here."""
-    end_recording = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    end_recording = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
+        torch._C, "_cuda_endAllocateCurrentStreamToPool", None)  # the name before torch 2.6
     if pool is not None and end_recording is not None:
         index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
         try:
