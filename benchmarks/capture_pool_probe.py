@@ -22,39 +22,50 @@ def attempt(what, fn):
 
 
 def main() -> None:
+    from litft.finetune import reset_capture_state
+
     print("torch", torch.__version__)
     print("pool functions:", sorted(n for n in dir(torch._C) if "Pool" in n and n.startswith("_cuda")))
     device = torch.cuda.current_device()
+    stream = torch.cuda.current_stream()
     pool = torch.cuda.graph_pool_handle()
     print("pool handle:", pool)
-    x = torch.ones(64, device="cuda")
 
-    def failing_capture():
-        with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool, capture_error_mode="thread_local"):
-            (x * 2).sum().item()
-
-    attempt("capture with a host copy inside", failing_capture)
-    print("current stream after it:", torch.cuda.current_stream(), "default:", torch.cuda.default_stream())
-
-    def capture_again():
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            y = x * 3
-        graph.replay()
-        torch.cuda.synchronize()
-        return float(y[0])
-
-    attempt("second capture into the pool, before any reset", capture_again)
+    attempt("capture with a host copy inside", lambda: failing_capture_into(pool))
+    print("current stream after it:", torch.cuda.current_stream(), "before:", stream)
+    attempt("second capture into the pool, before any reset", lambda: capture_into(pool))
     for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
         fn = getattr(torch._C, name, None)
         if fn is not None:
             attempt(f"{name}({device}, pool)", lambda fn=fn: fn(device, pool))
-    attempt("second capture into the pool, after ending its recording", capture_again)
-    from litft.finetune import reset_capture_state
+    attempt("second capture into the pool, after ending its recording", lambda: capture_into(pool))
 
-    attempt("failing capture again", failing_capture)
-    attempt("reset_capture_state(device, pool)", lambda: reset_capture_state(torch.device("cuda", device), pool))
-    attempt("capture after reset_capture_state", capture_again)
+    # what GraphedMicroSteps does after a capture that raised: the stream back, the random state reset, a new pool
+    torch.cuda.set_stream(stream)
+    fresh = torch.cuda.graph_pool_handle()
+    attempt("failing capture into a fresh pool", lambda: failing_capture_into(fresh))
+    torch.cuda.set_stream(stream)
+    attempt("reset_capture_state()", reset_capture_state)
+    attempt("capture into that pool again", lambda: capture_into(fresh))
+    attempt("capture into a new pool (expect 6.0)", lambda: capture_into(torch.cuda.graph_pool_handle()))
+    print("current stream at the end:", torch.cuda.current_stream())
+
+
+def failing_capture_into(pool) -> None:
+    x = torch.ones(64, device="cuda")
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool, capture_error_mode="thread_local"):
+        (x * 2).sum().item()
+
+
+def capture_into(pool) -> float:
+    x = torch.ones(64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        y = x * 3
+    x.fill_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    return float(y[0])
 
 
 if __name__ == "__main__":

@@ -642,6 +642,7 @@ class GraphedMicroSteps:
 
     def _capture(self, key: tuple, inputs: dict, last_try: bool) -> bool:
         static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        stream = torch.cuda.current_stream()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # plain runs' activations go back; the graphs' pool holds theirs
         graph = torch.cuda.CUDAGraph()
@@ -654,7 +655,13 @@ class GraphedMicroSteps:
                 self.fabric.backward(static_loss * self.scale)
         except Exception as err:  # noqa: BLE001 - any capture failure: retry after a warm-up, or fall back
             self.capture_s += time.perf_counter() - start
-            reset_capture_state(self.fabric.device, self.pool)
+            # A capture that raised as it ended leaves its side stream current and (torch 2.11) the allocator
+            # recording into the pool, so that every later capture into it fails ("beginAllocateToPool: already
+            # recording to mempool_id"; benchmarks/capture_pool_probe.py). Later captures go to a new pool; the
+            # graphs captured so far keep theirs.
+            torch.cuda.set_stream(stream)
+            reset_capture_state()
+            self.pool = torch.cuda.graph_pool_handle()
             if not last_try:
                 return False
             self.failed = True
@@ -676,23 +683,12 @@ class GraphedMicroSteps:
                 "plain_warmup_s": round(self.plain_warmup_s, 3), "capture_s": round(self.capture_s, 3)}
 
 
-def reset_capture_state(device: torch.device | None = None, pool=None) -> None:
-    """After a capture that raised, let random ops (dropout) run plainly again, and the graphs' pool be captured into.
+def reset_capture_state() -> None:
+    """After a capture that raised, let random ops (dropout) run plainly again.
 
     A capture marks the CUDA random generator as capturing and unmarks it when the capture ends; a capture that
     raised never unmarks it, and the next plain dropout then fails ("Offset increment outside graph capture").
-    Capturing an empty graph marks and unmarks it again. A capture that raised can also leave the allocator
-    recording into `pool` (torch stops that after ending the capture, which failed), and the next capture into it
-    then fails with "beginAllocateToPool: already recording to mempool_id" (seen on the H100: a recompile inside a
-    capture turned CUDA graphs off for the rest of a compiled run); that recording is ended here."""
-    end_recording = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
-        torch._C, "_cuda_endAllocateCurrentStreamToPool", None)  # the name before torch 2.6
-    if pool is not None and end_recording is not None:
-        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-        try:
-            end_recording(index, pool)
-        except RuntimeError:  # not recording into it: the capture ended that itself
-            pass
+    Capturing an empty graph marks and unmarks it again."""
     try:
         torch.cuda.synchronize()
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
@@ -1094,14 +1090,23 @@ def build_result(
 
 def compile_stats(since: dict | None = None) -> dict:
     """How many graphs torch.compile built in this process, or since an earlier count (a number growing with steps
-    means recompiles: look at TORCH_LOGS)."""
+    means recompiles: look at TORCH_LOGS); with `since`, also where the compile time went: the slowest of torch's
+    compile-time phases, in seconds (nested: a phase includes the phases it calls), when anything compiled."""
     try:
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import compile_times, counters
 
         now = {"unique_graphs": counters["stats"]["unique_graphs"], "frames_ok": counters["frames"]["ok"]}
     except Exception:
         return {}
-    return {key: value - (since or {}).get(key, 0) for key, value in now.items()}
+    stats = {key: value - (since or {}).get(key, 0) for key, value in now.items()}
+    if since is not None and stats["unique_graphs"] > 0:
+        try:
+            names, seconds = compile_times(repr="csv", aggregate=True)
+            slowest = sorted(zip(names, map(float, seconds)), key=lambda item: -item[1])[:12]
+            stats["seconds_by_phase"] = {name: round(value, 2) for name, value in slowest}
+        except Exception:  # noqa: BLE001 - a diagnostic: its absence must not fail a run
+            pass
+    return stats
 
 
 def out_of_memory(recipe: Recipe, fabric, err: Exception) -> OutOfMemoryError:
