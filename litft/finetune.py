@@ -456,9 +456,9 @@ def fit(
             progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
 
 
-COMPILE_PAYS_OFF_S = 120.0
-"""Seconds of work at the GPU's peak FLOP/s above which 'auto' compiles a run that replays CUDA graphs (see
-use_compile)."""
+COMPILE_PAYS_OFF_S = {"full": 40.0, "lora": 350.0, "qlora": 170.0}
+"""Seconds of work at the GPU's peak FLOP/s above which 'auto' compiles a run that replays CUDA graphs, by method
+(see use_compile for the measurements behind each)."""
 
 
 def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[bool, str]:
@@ -466,14 +466,20 @@ def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[b
 
     'auto': never on the CPU (inductor's C++ compile costs minutes for little gain); always on CUDA without CUDA
     graphs (compiling then also cuts the host's launch overhead: TinyLlama LoRA 13,899 vs 8,662 real tok/s on the
-    H100, benchmarks/results/ablation-tiny*). With CUDA graphs the host overhead is gone, and compiling only makes
-    the kernels faster. Measured on the H100 (benchmarks/results/compile-tiny, layers-tiny): TinyLlama LoRA's median
-    step 84.3 ms eager with the fused norm, 69.3 ms compiled (~3,900 tokens per step: 3.8 us saved per token), for
-    68 s more process time (94 vs 26 s). A TinyLlama LoRA token is 4.6 us of work at the H100's peak, so compiling
-    breaks even at 68 s / 3.8 us = 18M tokens = 82 s of work at peak; 'auto' compiles above COMPILE_PAYS_OFF_S, half
-    as much again (a margin for the models and GPUs not measured): about two epochs of Alpaca's 52k rows. Work =
-    planned tokens x FLOPs per token (6 per trainable and 4 per frozen weight: metrics.FlopModel's rule, attention
-    left out)."""
+    H100, benchmarks/results/ablation-tiny*). With CUDA graphs the host overhead is gone and compiling only makes the
+    kernels faster, so it compiles when the planned work repays the compile time. Measured on the H100 (TinyLlama,
+    eager + graphs in results/swiglu-tiny and overlap-tiny, compiled + graphs in compile-full-tiny,
+    compile-lora-tiny(-2) and compiled-profile), break-even in seconds of work at peak FLOP/s:
+      full bf16-true: 147.6 -> 130.4 ms per ~7,700-token step for ~9 s more warm-up (the block compiles in ~9 s):
+        523 steps = 4.0M tokens x 6 x 1.03e9 FLOPs / 989e12 = 25 s (bf16-mixed: 206.5 -> 168.4 ms, 12 s);
+      LoRA: 74.7 -> 69.3 ms per ~3,900-token step for ~80 s (the LoRA block takes ~66 s of inductor codegen):
+        14,500 steps = 57M tokens x 4 x 1.03e9 / 989e12 = 238 s (OpenLLaMA-7B LoRA: 294.4 -> 251.8 ms for 68 s,
+        162 s of work at peak);
+      QLoRA: 90.4 -> 79.9 ms for ~72 s: 114 s.
+    'auto' compiles above COMPILE_PAYS_OFF_S for the method, half as much again as the TinyLlama break-even (a
+    margin for the models and GPUs not measured): a full fine-tune of TinyLlama compiles from ~6M tokens (half an
+    epoch of Alpaca's 52k rows), LoRA from ~85M tokens (six epochs). Work = planned tokens x FLOPs per token (6 per
+    trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out)."""
     mode = recipe.train.compile
     if mode != "auto":
         return mode == "always", ""
@@ -489,9 +495,10 @@ def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[b
     batches_per_epoch = stats.samples // fabric.world_size // recipe.train.micro_batch_size
     tokens = planned_steps(recipe, batches_per_epoch) * recipe.train.global_batch_size * stats.mean_length
     seconds = tokens * per_token / peak
-    verdict = "pays off" if seconds > COMPILE_PAYS_OFF_S else "would not pay off"
-    return seconds > COMPILE_PAYS_OFF_S, (f"auto: {seconds:,.0f} s of work at peak FLOP/s, compiling {verdict} above"
-                                          f" {COMPILE_PAYS_OFF_S:.0f} s")
+    threshold = COMPILE_PAYS_OFF_S[recipe.method]
+    verdict = "pays off" if seconds > threshold else "would not pay off"
+    return seconds > threshold, (f"auto: {seconds:,.0f} s of work at peak FLOP/s, compiling {verdict} above"
+                                 f" {threshold:.0f} s for {recipe.method}")
 
 
 def estimated_parameters(config) -> int:
@@ -940,14 +947,22 @@ def build_optimizer(recipe: Recipe, model) -> torch.optim.Optimizer:
     module_name, _, class_name = recipe.optimizer.class_path.rpartition(".")
     cls = getattr(importlib.import_module(module_name), class_name)
     params = [p for p in model.parameters() if p.requires_grad]
+    return cls(params, **optimizer_kwargs(recipe, cls, on_cuda=bool(params) and all(p.is_cuda for p in params)))
+
+
+def optimizer_kwargs(recipe: Recipe, cls: type, on_cuda: bool) -> dict:
+    """The optimizer's keyword arguments: the recipe's, with fused=True for torch's AdamW, Adam and SGD on CUDA (one
+    fused kernel per chunk of parameters instead of a chain of foreach kernels, one per term of the update) unless
+    the recipe chose fused or foreach itself. A None there is no choice: jsonargparse fills in the class's defaults,
+    foreach=None and fused=None included (which kept every recipe on torch's foreach default until session 9: the
+    H100 profile of a full fine-tune showed foreach AdamW, benchmarks/results/compiled-profile)."""
     kwargs = dict(recipe.optimizer.init_args)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     fusable = cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
-    if fusable and params and all(p.is_cuda for p in params) and not {"fused", "foreach"} & kwargs.keys():
-        # one fused kernel per chunk of parameters, instead of a chain of foreach kernels per update term
+    if fusable and on_cuda and kwargs.get("fused") is None and kwargs.get("foreach") is None:
         kwargs["fused"] = True
-    return cls(params, **kwargs)
+    return kwargs
 
 
 def build_scheduler(recipe: Recipe, optimizer, total_steps: int):
