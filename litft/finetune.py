@@ -218,6 +218,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
+        optimizer_used = optimizer_summary(optimizer)
+        say(f"optimizer: {optimizer_used['class']} ({optimizer_used['implementation']})")
 
         # data.pack_steps: the sampler hands out a step's samples at once (the same samples per step, in the same
         # order, as grad_accum micro-batches of micro_batch_size) and the collate fills micro-batches from them
@@ -330,6 +332,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         )
         result["cuda_graphs"] = graph_stats
         result["compile"] = run_compile_stats
+        result["optimizer"] = optimizer_used
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
@@ -963,6 +966,22 @@ def optimizer_kwargs(recipe: Recipe, cls: type, on_cuda: bool) -> dict:
     if fusable and on_cuda and kwargs.get("fused") is None and kwargs.get("foreach") is None:
         kwargs["fused"] = True
     return kwargs
+
+
+def optimizer_summary(optimizer) -> dict:
+    """For the run's log and result.json: the optimizer's class and the implementation its step runs (torch's
+    optimizers: fused, foreach, or torch's own choice when neither was set: foreach for CUDA tensors)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+    defaults = inner.defaults
+    if defaults.get("fused"):
+        implementation = "fused"
+    elif defaults.get("foreach"):
+        implementation = "foreach"
+    elif "foreach" in defaults:
+        implementation = "torch's default: foreach on CUDA, for-loop elsewhere"
+    else:
+        implementation = "its own"
+    return {"class": f"{type(inner).__module__}.{type(inner).__name__}", "implementation": implementation}
 
 
 def build_scheduler(recipe: Recipe, optimizer, total_steps: int):

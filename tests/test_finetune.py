@@ -246,3 +246,15 @@ def test_torch_optimizers_are_fused_on_cuda_unless_the_recipe_chose(tiny_recipe)
 
     eight_bit = tiny_recipe(optimizer={"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {"lr": 1e-4}})
     assert "fused" not in optimizer_kwargs(eight_bit, bnb.optim.AdamW8bit, on_cuda=True)  # not torch's: left alone
+
+
+def test_a_run_records_which_optimizer_implementation_it_used(tiny_recipe):
+    """result.json and the run's log say which implementation the optimizer's step ran: the CPU run gets torch's
+    default, a CUDA run fused (test_torch_optimizers_are_fused_on_cuda_unless_the_recipe_chose)."""
+    result = litft.finetune(tiny_recipe(method="lora"))
+    assert result["optimizer"] == {"class": "torch.optim.adamw.AdamW",
+                                   "implementation": "torch's default: foreach on CUDA, for-loop elsewhere"}
+    chose = litft.finetune(tiny_recipe(method="lora", out_dir=str(result.out_dir) + "-foreach",
+                                       optimizer={"class_path": "torch.optim.AdamW",
+                                                  "init_args": {"lr": 1e-3, "foreach": True}}))
+    assert chose["optimizer"]["implementation"] == "foreach"

@@ -31,6 +31,7 @@ def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
     if any(name in r["device"].lower() for name in ("h100", "h200", "a100")):
         assert 0 < r["throughput"]["mfu"] < 1
     assert next(result.model.parameters()).dtype == torch.bfloat16
+    assert r["optimizer"] == {"class": "torch.optim.adamw.AdamW", "implementation": "fused"}
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "nf4-dq", "fp4"])
