@@ -4,8 +4,10 @@
 
 GraphedMicroSteps captures every micro-step into one shared memory pool. On the H100 (torch 2.11) a capture that
 raised left every later capture into that pool failing with "beginAllocateToPool: already recording to mempool_id".
-This prints, step by step, what each call raises, and which of torch's private pool functions this torch has, so
-litft.finetune.reset_capture_state can be checked against the torch it runs on.
+This prints, step by step, what each call raises and which of torch's private pool functions this torch has; then
+what GraphedMicroSteps does after a failed capture (the stream it started on made current again, the random state
+reset, a new pool). On the H100: ending the allocator's recording by hand did not make the old pool usable again; a
+new pool works (benchmarks/results/capture-pool-probe-h100-*.txt).
 """
 
 import torch
