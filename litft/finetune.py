@@ -1125,7 +1125,8 @@ def build_result(
 def compile_stats(since: dict | None = None) -> dict:
     """How many graphs torch.compile built in this process, or since an earlier count (a number growing with steps
     means recompiles: look at TORCH_LOGS); with `since`, also where the compile time went: the slowest of torch's
-    compile-time phases, in seconds (nested: a phase includes the phases it calls), when anything compiled."""
+    compile-time phases, in seconds (nested: a phase includes the phases it calls), when anything compiled. torch
+    keeps those times for the whole process, so they include the ledger's compiled trace (no code generated: seconds)."""
     try:
         from torch._dynamo.utils import compile_times, counters
 

@@ -22,6 +22,11 @@ def _gpu_recipe(tiny_recipe, **overrides):
     return tiny_recipe(**base)
 
 
+def step_losses(run) -> list[float]:
+    """The training loss of every logged step of a run (its metrics.jsonl)."""
+    return [json.loads(line)["loss"] for line in (run.out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
     result = litft.finetune(_gpu_recipe(tiny_recipe, method=method))
@@ -65,8 +70,7 @@ def test_compiled_and_eager_losses_agree_within_bf16_tolerance(tiny_recipe, tmp_
     compiled = litft.finetune(
         _gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / "compiled"), train={"compile": "always"})
     )
-    rows = [[json.loads(line)["loss"] for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
-            for r in (eager, compiled)]
+    rows = [step_losses(r) for r in (eager, compiled)]
     assert len(rows[0]) == len(rows[1]) == 4
     # bf16 has an 8-bit mantissa: relative differences of ~1e-2 are rounding, not a different function
     assert rows[1] == pytest.approx(rows[0], rel=2e-2)
@@ -89,8 +93,7 @@ def test_fast_attention_and_litgpts_attention_train_alike_on_cuda(tiny_recipe, t
     runs = [litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / str(fast)),
                                        train={"compile": "never", "fast_attention": fast}))
             for fast in (True, False)]
-    rows = [[json.loads(line)["loss"] for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
-            for r in runs]
+    rows = [step_losses(r) for r in runs]
     assert len(rows[0]) == len(rows[1]) == 4
     assert rows[0] == pytest.approx(rows[1], rel=2e-2)
     assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=2e-2)
@@ -104,8 +107,7 @@ def test_lean_mixed_linear_trains_alike_on_cuda_and_keeps_less(tiny_recipe, tmp_
     runs = [litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / str(lean)),
                                        train={"compile": "never", "cuda_graphs": graphs, "lean_mixed_linear": lean}))
             for lean in (True, False)]
-    rows = [[json.loads(line)["loss"] for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
-            for r in runs]
+    rows = [step_losses(r) for r in runs]
     assert len(rows[0]) == len(rows[1]) == 4
     assert rows[0] == pytest.approx(rows[1], rel=2e-2)
     assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=2e-2)
@@ -205,8 +207,7 @@ def test_cuda_graph_replays_give_the_losses_of_plain_steps(tiny_recipe, tmp_path
     assert graphs["pool_tokens"] > 0
     assert memory["predicted_for_tokens"] == max(memory["max_micro_batch_tokens"], graphs["pool_tokens"])
     assert runs["never"].result["memory"]["predicted_for_tokens"] == runs["never"].result["memory"]["max_micro_batch_tokens"]
-    rows = [[json.loads(line)["loss"] for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
-            for r in runs.values()]
+    rows = [step_losses(r) for r in runs.values()]
     assert len(rows[0]) == len(rows[1]) == runs["never"].result["steps"] >= 4
     assert rows[1] == pytest.approx(rows[0], rel=2e-2)  # bf16: other kernels for other row widths round differently
     assert runs["always"].val_loss == pytest.approx(runs["never"].val_loss, rel=2e-2)
@@ -286,8 +287,7 @@ def test_a_failed_capture_is_retried_and_the_run_keeps_its_graphs(tiny_recipe, t
     assert captures["seen"] >= 3
     assert graphs["on"] and graphs["failure"] is None and graphs["retried_captures"] == 1, graphs
     assert graphs["shapes_captured"] >= 2 and graphs["replays"] > 0
-    rows = [[json.loads(line)["loss"] for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
-            for r in (plain, graphed)]
+    rows = [step_losses(r) for r in (plain, graphed)]
     assert rows[1] == pytest.approx(rows[0], rel=2e-2)
 
 
