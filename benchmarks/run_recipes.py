@@ -284,6 +284,16 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-foreach", "tiny-llama-lora", GPU + steps(30) + ["--optimizer.init_args.foreach", "true"]),
         ("qlora", "tiny-llama-qlora", GPU + steps(30)),
     ],
+    # Issue 5, session 10: a whole optimizer step in one pass (micro_batch_size 16: one micro-batch of up to 8,192
+    # positions holds the step's 32 samples, ~7,800 tokens, where micro 8 takes two passes), eager and compiled, for
+    # the full fine-tune's MFU target (compiled two-pass: 40.1% in fused-adamw-tiny) against LitGPT's 20.23 GiB
+    # reserved; and QLoRA with fused AdamW (fused-adamw-tiny ran out of time before it).
+    "one-pass-full-tiny": [
+        ("full-one-pass", "tiny-llama-full", GPU + steps(20) + ["--train.micro_batch_size", "16"]),
+        ("full-compiled-one-pass", "tiny-llama-full", GPU + steps(24) + ["--train.micro_batch_size", "16",
+                                                                          "--train.compile", "always"]),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
