@@ -265,7 +265,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "micro_batches": 0, "max_micro_tokens": 0,
              "micro_batches_run": 0}
     clock = metrics.StepClock(fabric.device)
-    micro_step = GraphedMicroSteps(fabric, model, progress.print) if graphed else PlainMicroStep(fabric, model)
+    micro_step = (GraphedMicroSteps(fabric, model, progress.print, compiled) if graphed
+                  else PlainMicroStep(fabric, model))
     if checkpoint is not None:
         restore(checkpoint, fabric, model, optimizer, scheduler, train_sampler, state, losses, recipe)
         progress.print(f"resumed from {checkpoint['path']} at step {state['step']} (epoch {state['epoch']},"
@@ -544,12 +545,13 @@ class GraphedMicroSteps:
     Why: a TinyLlama LoRA step launches ~11,000 kernels, and run plainly the GPU is busy 11% of the step's time
     (H100, benchmarks/results/ablation-tiny-2, lora-plain-profile: 406 ms per step plainly, 109 ms replayed). A
     graph replays a micro-step's kernels with one launch.
-    How: before training (prepare), stand-in batches of the largest shape and the next smaller one run plainly
-    WARMUP times each (torch.compile builds its kernels, the gradients are allocated, a layer settles what it sets
-    on its first call: nothing recompiles during a capture), and the largest shape is captured, then the smaller
-    packed widths. A new shape met in training is captured straight away, with no plain warm-up: a plain run would
-    need a second set of activations beside the graphs' pool; if that capture fails (a recompile for the new shape,
-    say), the shape warms up plainly and is captured again. Micro-batches of a captured shape copy their tensors
+    How: before training (prepare), stand-in batches run plainly (compiled blocks: the largest shape and the next
+    smaller one, WARMUP times each, so that torch.compile builds its shape-generic kernels; eager blocks: the largest
+    shape once, which allocates the gradients and lets a layer settle what it sets on its first call: nothing
+    recompiles or initialises during a capture), and the largest shape is captured, then the smaller packed widths.
+    A new shape met in training is captured straight away, with no plain warm-up: a plain run would need a second
+    set of activations beside the graphs' pool; if that capture fails (a recompile for the new shape, say), the
+    shape warms up plainly and is captured again. Micro-batches of a captured shape copy their tensors
     into the graph's inputs and replay it. Backward adds into the gradients in place, at the addresses captured, so
     the loop zeroes gradients in place (keeps_gradients). The scale 1/denominator is a device tensor filled before
     each replay (a plain number would be frozen into the graph). All graphs share one memory pool: they never run
@@ -559,10 +561,12 @@ class GraphedMicroSteps:
 
     keeps_gradients = True
     WARMUP = 2  # plain micro-batches before a capture (torch's CUDA graph docs warm up a few, too)
+    EAGER_WARMUP = 1  # the same, before training, for eager blocks: nothing of theirs depends on the shapes seen
     UPFRONT_SHAPES = 16  # packed row widths captured before training (TinyLlama at 4 x 512: 8 widths of 256)
 
-    def __init__(self, fabric, model, say) -> None:
+    def __init__(self, fabric, model, say, compiled: bool = False) -> None:
         self.fabric, self.model, self.say = fabric, model, say
+        self.compiled = compiled  # torch.compile'd blocks: warm up on two shapes (their kernels are built for both)
         self.plain = PlainMicroStep(fabric, model)
         self.graphs: dict[tuple, tuple] = {}
         self.warming: dict[tuple, int] = {}  # shapes that run plainly before their capture: plain runs so far
@@ -575,11 +579,12 @@ class GraphedMicroSteps:
         self.pool_tokens = 0  # positions of the largest captured micro-batch: what sized the graphs' pool
         self.captured_before_training = 0  # shapes prepare() captured
         self.plain_warmup_s = 0.0  # wall seconds of the plain warm-up micro-steps (prepare's and retries')
+        self.warmup_micro_batches = 0  # plain micro-steps on stand-in batches (not training): prepare's and retries'
         self.capture_s = 0.0  # wall seconds of the captures, graph instantiation included
 
     def prepare(self, batches: list[dict]) -> None:
-        """Before training: warm up plainly on the first two stand-in batches (largest first;
-        data.largest_batches), give back their gradients, and capture the largest shape, so the graphs' pool is
+        """Before training: warm up plainly on the first stand-in batch (largest first; data.largest_batches),
+        compiled on the first two, give back their gradients, and capture the largest shape, so the graphs' pool is
         sized once by the largest micro-batch; then capture the other stand-ins' shapes (packed rows: every width
         up to UPFRONT_SHAPES), so that the training steps replay instead of capturing (a 40-step TinyLlama LoRA run
         captured 8 widths during its steps, each capture costing about a plain micro-step's launch time).
@@ -596,7 +601,10 @@ class GraphedMicroSteps:
                     p.grad = torch.zeros_like(p)
         with torch.random.fork_rng(devices=[device]):
             inputs = [model_inputs(batch, device) for batch in batches]
-            self._warm_up(inputs[:2])  # the largest shape and the next smaller: the rest are only captured
+            if self.compiled:  # the largest shape and the next smaller: the second makes dynamo build shape-generic
+                self._warm_up(inputs[:2])  # kernels, so that no later width recompiles during its capture
+            else:  # one plain micro-step: its warm-up costs about a plain step's launch time (~0.25 s, TinyLlama)
+                self._warm_up(inputs[:1], self.EAGER_WARMUP)
             if not self._capture(self.key(inputs[0]), inputs[0], last_try=True):
                 return
             self.pool_tokens = int(batches[0]["tokens_padded"])
@@ -610,12 +618,14 @@ class GraphedMicroSteps:
                     return
             self.captured_before_training = len(self.graphs)
 
-    def _warm_up(self, inputs: list[dict]) -> None:
-        """WARMUP plain micro-steps on each stand-in, then their gradients zeroed: they are not training."""
+    def _warm_up(self, inputs: list[dict], times: int | None = None) -> None:
+        """``times`` (default WARMUP) plain micro-steps on each stand-in, then their gradients zeroed: they are not
+        training."""
         start = time.perf_counter()
         for batch_inputs in inputs:
-            for _ in range(self.WARMUP):
+            for _ in range(self.WARMUP if times is None else times):
                 self.plain(batch_inputs, 1.0)
+                self.warmup_micro_batches += 1
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -689,6 +699,7 @@ class GraphedMicroSteps:
         return {"on": not self.failed, "shapes_captured": len(self.graphs),
                 "captured_before_training": self.captured_before_training, "replays": self.replays,
                 "plain_micro_batches": sum(self.warming.values()), "retried_captures": self.retries,
+                "warmup_micro_batches": self.warmup_micro_batches,
                 "failure": self.failure, "pool_tokens": self.pool_tokens if not self.failed else 0,
                 "plain_warmup_s": round(self.plain_warmup_s, 3), "capture_s": round(self.capture_s, 3)}
 

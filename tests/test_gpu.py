@@ -196,6 +196,9 @@ def test_cuda_graph_replays_give_the_losses_of_plain_steps(tiny_recipe, tmp_path
     warmup = runs["always"].result["phases_s"]["warmup"]
     assert 0 < graphs["plain_warmup_s"] and 0 < graphs["capture_s"]
     assert graphs["plain_warmup_s"] + graphs["capture_s"] <= warmup
+    # eager blocks warm up on one plain micro-step; compiled ones on two shapes, twice each (no capture was retried)
+    assert graphs["retried_captures"] == 0
+    assert graphs["warmup_micro_batches"] == (4 if compile_mode == "always" else 1)
     micro_batches = runs["always"].result["batch"]["micro_batches_run"]
     assert micro_batches == runs["never"].result["batch"]["micro_batches_run"]
     steps = runs["always"].result["steps"]
