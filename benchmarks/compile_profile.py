@@ -48,6 +48,12 @@ def main() -> int:
     for order in ("tottime", "cumulative"):
         text.write(f"==== by {order}\n")
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    # who starts the subprocesses (C++ or launcher builds) that took most of a LoRA compile's time
+    text.write("==== callers of subprocess calls and of inductor's C++ and Triton builds\n")
+    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    for pattern in (r"subprocess.py.*\(check_call\)", r"subprocess.py.*\(run\)", "check_build", "cpp_builder",
+                    "compile_module_from_src", "make_launcher", "CppCodeCache"):
+        stats.print_callers(pattern)
     path = args.out / f"compile-profile-{args.recipe}.txt"
     path.write_text(text.getvalue())
     print(f"wrote {path} ({wall:.1f} s, exit {code})")
