@@ -601,10 +601,10 @@ class GraphedMicroSteps:
                     p.grad = torch.zeros_like(p)
         with torch.random.fork_rng(devices=[device]):
             inputs = [model_inputs(batch, device) for batch in batches]
-            if self.compiled:  # the largest shape and the next smaller: the second makes dynamo build shape-generic
-                self._warm_up(inputs[:2])  # kernels, so that no later width recompiles during its capture
-            else:  # one plain micro-step: its warm-up costs about a plain step's launch time (~0.25 s, TinyLlama)
-                self._warm_up(inputs[:1], self.EAGER_WARMUP)
+            # compiled: the largest shape and the next smaller, so that dynamo builds shape-generic kernels and no
+            # later width recompiles during its capture; eager: one plain micro-step (~0.25 s for TinyLlama)
+            shapes, times = (2, self.WARMUP) if self.compiled else (1, self.EAGER_WARMUP)
+            self._warm_up(inputs[:shapes], times)
             if not self._capture(self.key(inputs[0]), inputs[0], last_try=True):
                 return
             self.pool_tokens = int(batches[0]["tokens_padded"])
@@ -613,17 +613,16 @@ class GraphedMicroSteps:
                 if key in self.graphs or self._capture(key, batch_inputs, last_try=False):
                     continue
                 self.retries += 1  # as in training: warm this shape up plainly, then capture it
-                self._warm_up([batch_inputs])
+                self._warm_up([batch_inputs], self.WARMUP)
                 if not self._capture(key, batch_inputs, last_try=True):
                     return
             self.captured_before_training = len(self.graphs)
 
-    def _warm_up(self, inputs: list[dict], times: int | None = None) -> None:
-        """``times`` (default WARMUP) plain micro-steps on each stand-in, then their gradients zeroed: they are not
-        training."""
+    def _warm_up(self, inputs: list[dict], times: int) -> None:
+        """``times`` plain micro-steps on each stand-in, then their gradients zeroed: they are not training."""
         start = time.perf_counter()
         for batch_inputs in inputs:
-            for _ in range(self.WARMUP if times is None else times):
+            for _ in range(times):
                 self.plain(batch_inputs, 1.0)
                 self.warmup_micro_batches += 1
         with torch.no_grad():
