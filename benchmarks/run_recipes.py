@@ -303,6 +303,20 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora", "tiny-llama-lora", GPU + steps(30)),
         ("qlora", "tiny-llama-qlora", GPU + steps(30)),
     ],
+    # Issue 5, session 11: how LoRA's speed depends on the pass width (micro_batch_size 4, 6, 8: packed passes of at
+    # most 2,048, 3,072, 4,096 positions; the 16-sample step of ~3,900 tokens takes 2-3, 2 or 1-2 passes) and on
+    # dropout (0.05 vs 0); the graphed default's profile says how busy the device is between graph replays; the plain
+    # run's profile table gives the kernel time by op; compiled LoRA and the compiled full fine-tune's profile with
+    # fused AdamW (not rerun since foreach).
+    "lora-width-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("lora-micro6", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "6", "--train.global_batch_size", "18"]),
+        ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
+        ("lora-no-dropout", "tiny-llama-lora", GPU + steps(30) + ["--lora.dropout", "0"]),
+        ("lora-plain-profile", "tiny-llama-lora", GPU + steps(12) + PROFILE + PLAIN),
+        ("full-compiled-profile", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21", "--train.compile", "always"]),
+        ("lora-compiled", "tiny-llama-lora", GPU + steps(30) + ["--train.compile", "always"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
