@@ -317,6 +317,16 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-compiled-profile", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21", "--train.compile", "always"]),
         ("lora-compiled", "tiny-llama-lora", GPU + steps(30) + ["--train.compile", "always"]),
     ],
+    # Issue 5, session 11: every GPU kernel by full name (the profiler's new kernel table) for the eager and compiled
+    # full fine-tune and the LoRA default, to find what besides the matmuls a step spends its time on; and LoRA
+    # compiled twice in one call, the second on the first's inductor and Triton caches (a user's second run).
+    "kernels-tiny": [
+        ("full", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21"]),
+        ("full-compiled", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21", "--train.compile", "always"]),
+        ("lora", "tiny-llama-lora", GPU + steps(24) + ["--logging.profile", "20-21"]),
+        ("lora-compiled", "tiny-llama-lora", GPU + steps(24) + ["--train.compile", "always"]),
+        ("lora-compiled-warm-cache", "tiny-llama-lora", GPU + steps(24) + ["--train.compile", "always"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -232,3 +232,18 @@ def test_the_eta_counts_from_the_first_step_not_from_loading_and_compiling(monke
     now[0] += 5 * 0.1  # five steps of 100 ms
     progress.update(5, loss=2.0, tok_s=1000.0, gib=1.0, lr=1e-4)
     assert capsys.readouterr().out.strip().endswith("ETA 3s")  # 35 steps x 0.1 s = 3.5 s (whole seconds)
+
+
+def test_kernel_table_groups_kernels_by_full_name_most_time_first():
+    from types import SimpleNamespace
+
+    from litft.finetune import kernel_table
+
+    long_name = "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>(int)"
+    kernels = [SimpleNamespace(name=long_name, device_time_total=30.0) for _ in range(4)]
+    kernels += [SimpleNamespace(name="nvjet_gemm", device_time_total=200.0) for _ in range(2)]
+    lines = kernel_table(kernels, steps=2)
+    assert "2 distinct" in lines[0]
+    gemm, add = lines[2].split(), lines[3].split()
+    assert gemm[:4] == ["0.20", "1", "200.0", "76.9%"] and gemm[4] == "nvjet_gemm"  # 400 us of 520 over 2 steps
+    assert add[:4] == ["0.06", "2", "30.0", "23.1%"] and lines[3].endswith("CUDAFunctor_add<c10::BFloat16>>(int)")

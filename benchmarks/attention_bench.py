@@ -1,0 +1,221 @@
+"""Time packed (varlen) causal attention, forward + backward, the way a TinyLlama micro-batch calls it.
+
+    python benchmarks/attention_bench.py [--tokens 4096 --samples 32] [--out FILE.md]
+
+A fine-tune's attention sees packed rows: ~16 samples (Alpaca-like lengths, mean ~250 tokens, cut at 512) in a row of
+4,096 positions (full fine-tune: micro_batch_size 8 x 512) or ~8 in 2,048 (LoRA: 4 x 512). litft calls torch's
+flash-attention varlen op with a fixed segment count (the step's sample count + 1, so every micro-batch of a run has
+the same cu_seqlens shape for CUDA graphs) and a fixed max length (max_seq_length), so that one captured graph or
+compiled kernel serves every row. This script measures what those fixed bounds cost, and the alternatives:
+
+- varlen, padded segments, max 512 (litft today)
+- varlen, only the row's own segments, max 512
+- varlen, own segments, max = the row's longest sample
+- cuDNN's varlen attention (aten._cudnn_attention_forward/backward with cu_seqlens; k and v repeated to all heads)
+- flex_attention (compiled) with a document-causal block mask, grouped k/v
+
+TinyLlama's attention: 32 query heads, 4 k/v groups, head size 64, bf16. Each variant runs the same rows; the
+figure is the mean forward + backward time per row over `--repeats` passes through them, timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import random
+import sys
+import time
+
+import torch
+
+HEADS, GROUPS, HEAD_SIZE = 32, 4, 64
+
+
+def sample_lengths(n: int, rng: random.Random, cap: int = 512) -> list[int]:
+    """Alpaca-like prompt + response lengths: lognormal with median ~222 tokens (benchmarks/make_bench_data.py's
+    rows: mean 254, median 222, 5.7% over 512), cut at `cap` as a fine-tune's max_seq_length does."""
+    return [min(cap, max(8, int(rng.lognormvariate(math.log(222), 0.5)))) for _ in range(n)]
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing into rows of at most `capacity` positions (what data.pack_steps does)."""
+    rows: list[list[int]] = []
+    for length in sorted(lengths, reverse=True):
+        for row in rows:
+            if sum(row) + length <= capacity:
+                row.append(length)
+                break
+        else:
+            rows.append([length])
+    return rows
+
+
+def cu_seqlens(row: list[int], width: int, segments: int | None, device) -> torch.Tensor:
+    bounds = [0]
+    for length in row:
+        bounds.append(bounds[-1] + length)
+    if width > bounds[-1]:
+        bounds.append(width)  # the padding tail, its own segment
+    if segments is not None:
+        bounds += [width] * (segments + 1 - len(bounds))
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def make_inputs(width: int, device):
+    q = torch.randn(width, HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(width, GROUPS, HEAD_SIZE, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(width, GROUPS, HEAD_SIZE, device=device, dtype=torch.bfloat16, requires_grad=True)
+    return q, k, v
+
+
+def varlen_call(segments_of, max_of):
+    from torch.nn.attention.varlen import varlen_attn
+
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = "enable_gqa" in params
+
+    def run(q, k, v, row, width):
+        cu = cu_seqlens(row, width, segments_of(row), q.device)
+        longest = max_of(row, width)
+        if gqa:
+            return varlen_attn(q, k, v, cu, cu, longest, longest, scale=HEAD_SIZE ** -0.5, enable_gqa=True, **causal)
+        k2, v2 = (x.repeat_interleave(HEADS // GROUPS, dim=1) for x in (k, v))
+        return varlen_attn(q, k2, v2, cu, cu, longest, longest, scale=HEAD_SIZE ** -0.5, **causal)
+
+    return run
+
+
+class CudnnVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest):
+        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False,
+                                                      scale=HEAD_SIZE ** -0.5)
+        ctx.save_for_backward(q, k, v, out[0], out[1], cu, out[6], out[7])
+        ctx.longest = longest
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, o, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(grad.contiguous(), q, k, v, o, lse, cu, cu, ctx.longest,
+                                                              ctx.longest, 0.0, True, seed, offset,
+                                                              scale=HEAD_SIZE ** -0.5)
+        return dq, dk, dv, None, None
+
+
+def cudnn_call(q, k, v, row, width):
+    cu = cu_seqlens(row, width, None, q.device)
+    k2, v2 = (x.repeat_interleave(HEADS // GROUPS, dim=1) for x in (k, v))
+    return CudnnVarlen.apply(q, k2, v2, cu, 512)
+
+
+def flex_call():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks = {}
+
+    def run(q, k, v, row, width):
+        key = (tuple(row), width)
+        if key not in masks:
+            doc = torch.zeros(width, dtype=torch.int32, device=q.device)
+            start = 0
+            for i, length in enumerate(row):
+                doc[start:start + length] = i
+                start += length
+            doc[start:] = len(row)
+
+            def causal_in_doc(b, h, qi, ki):
+                return (doc[qi] == doc[ki]) & (qi >= ki)
+
+            masks[key] = create_block_mask(causal_in_doc, 1, None, width, width, device=q.device)
+        y = compiled(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=masks[key],
+                     enable_gqa=True, scale=HEAD_SIZE ** -0.5)
+        return y[0].transpose(0, 1)
+
+    return run
+
+
+def time_variant(run, rows, width, repeats: int) -> tuple[float, float]:
+    """(kernel time, wall time) per row in microseconds. Kernel time is the sum of the GPU kernels' durations
+    (torch.profiler): what a row costs when the host keeps ahead of the GPU, as under CUDA graphs; wall time (CUDA
+    events) also counts the GPU waiting for Python to launch the next kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = make_inputs(width, "cuda")
+    grad = torch.randn(width, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+    for row in rows:  # warm-up: compiles flex, builds every row's mask
+        q.grad = k.grad = v.grad = None
+        run(q, k, v, row, width).backward(grad)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(repeats):
+            for row in rows:
+                q.grad = k.grad = v.grad = None
+                run(q, k, v, row, width).backward(grad)
+        end.record()
+        torch.cuda.synchronize()
+    calls = repeats * len(rows)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(e.device_time_total for e in kernels) / calls
+    return kernel_us, start.elapsed_time(end) / calls * 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 2048], help="row capacities to measure")
+    parser.add_argument("--samples", type=int, nargs="+", default=[32, 16], help="samples per step, one per capacity")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps' worth of rows to time")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None, help="also write the table here (markdown)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("attention_bench: needs a CUDA device", file=sys.stderr)
+        return 2
+    rng = random.Random(0)
+    lines = [f"# Packed causal attention, forward + backward per row ({torch.cuda.get_device_name()}, torch"
+             f" {torch.__version__}, python {platform.python_version()})", "",
+             f"Command: `python {' '.join(sys.argv)}`", "",
+             "| row capacity | samples/step | rows | mean samples/row | variant | kernel us per row (fwd+bwd) | vs litft today |"
+             " wall us per row |",
+             "|---|---|---|---|---|---|---|---|"]
+    for capacity, per_step in zip(args.tokens, args.samples):
+        rows = [row for _ in range(args.steps) for row in pack_rows(sample_lengths(per_step, rng), capacity)]
+        # every row at the capacity's width (the widest captured shape), the padding tail its own segment
+        width = capacity
+        variants = {
+            "varlen, segments padded to samples/step + 1, max 512 (litft today)":
+                varlen_call(lambda row: per_step + 1, lambda row, w: 512),
+            "varlen, the row's own segments, max 512": varlen_call(lambda row: None, lambda row, w: 512),
+            "varlen, own segments, max = longest in the row":
+                varlen_call(lambda row: None, lambda row, w: max(max(row), w - sum(row), 1)),
+            "cuDNN varlen (k, v repeated), own segments": cudnn_call,
+            "flex_attention, document-causal block mask": flex_call(),
+        }
+        base = None
+        for name, run in variants.items():
+            try:
+                us, wall = time_variant(run, rows, width, args.repeats)
+            except Exception as err:  # a variant this torch lacks: recorded, not fatal
+                lines.append(f"| {capacity} | {per_step} | {len(rows)} | | {name} | failed: {type(err).__name__}:"
+                             f" {str(err).splitlines()[0][:120] if str(err) else ''} | | |")
+                continue
+            base = base or us
+            mean = sum(len(r) for r in rows) / len(rows)
+            lines.append(f"| {capacity} | {per_step} | {len(rows)} | {mean:.1f} | {name} | {us:.1f} | {us / base:.2f}x | {wall:.1f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
