@@ -36,7 +36,8 @@ def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
     if any(name in r["device"].lower() for name in ("h100", "h200", "a100")):
         assert 0 < r["throughput"]["mfu"] < 1
     assert next(result.model.parameters()).dtype == torch.bfloat16
-    assert r["optimizer"] == {"class": "torch.optim.adamw.AdamW", "implementation": "fused"}
+    assert r["optimizer"] == {"class": "torch.optim.adamw.AdamW", "implementation": "fused",
+                              "clipping": "norm only; the fused step divides"}
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "nf4-dq", "fp4"])
@@ -332,3 +333,10 @@ def test_running_out_of_memory_while_capturing_graphs_exits_4_with_a_snapshot(ti
                                    train={"compile": "never", "cuda_graphs": "always", "max_steps": 2}))
     assert info.value.exit_code == 4 and "micro_batch_size" in str(info.value)
     assert (out_dir / "memory_snapshot.pickle").is_file()
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])
+def test_clipping_inside_the_fused_cuda_step_equals_clip_grad_norm_then_step(max_norm):
+    from tests.test_finetune import assert_clipping_in_step_matches
+
+    assert_clipping_in_step_matches("cuda", max_norm)
