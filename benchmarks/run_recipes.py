@@ -327,6 +327,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-compiled", "tiny-llama-lora", GPU + steps(24) + ["--train.compile", "always"]),
         ("lora-compiled-warm-cache", "tiny-llama-lora", GPU + steps(24) + ["--train.compile", "always"]),
     ],
+    # Issue 5, session 11: weight gradients added by the matmul (train.grad_into_weights, eager full fine-tunes) on
+    # and off side by side, and gradient clipping inside the fused AdamW step (no switch: the profiled default run's
+    # kernel table shows whether clip_grad_norm_'s multiply, kernels-tiny's TensorListMetadata<1> kernel at 1.85 ms
+    # per step, is gone); compiled and bf16-mixed full fine-tunes and LoRA with the clipping change.
+    "grads-tiny": [
+        ("full", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21"]),
+        ("full-autograd-accumulation", "tiny-llama-full", GPU + steps(24) + ["--train.grad_into_weights", "false"]),
+        ("full-again", "tiny-llama-full", GPU + steps(24)),
+        ("full-compiled", "tiny-llama-full", GPU + steps(24) + ["--train.compile", "always"]),
+        ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
+        ("lora", "tiny-llama-lora", GPU + steps(30)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

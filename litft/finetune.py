@@ -198,7 +198,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         )
         use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
                         attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu,
-                        mixed_linear=recipe.recasts_mixed_weights)
+                        mixed_linear=recipe.recasts_mixed_weights,
+                        grad_into_weights=recipe.adds_grads_in_matmul and not compiled)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -214,6 +215,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + f", SwiGLU {'lean' if recipe.train.lean_swiglu else 'LitGPT'}"
             + (f", -mixed weights {'recast in backward' if recipe.recasts_mixed_weights else 'kept by autocast'}"
                if recipe.precision.endswith("-mixed") else "")
+            + (", weight gradients added by the matmul" if recipe.adds_grads_in_matmul and not compiled else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
@@ -338,6 +340,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         result["cuda_graphs"] = graph_stats
         result["compile"] = run_compile_stats
         result["optimizer"] = optimizer_used
+        result["grad_into_weights"] = recipe.adds_grads_in_matmul and not compiled  # train.grad_into_weights in effect
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":

@@ -444,6 +444,55 @@ def mixed_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     return MixedPrecisionLinear.apply(x, self.weight, self.bias, torch.get_autocast_dtype(device))
 
 
+class LinearGradIntoWeight(torch.autograd.Function):
+    """F.linear whose backward pass adds the weight's gradient into ``weight.grad`` by the matmul itself
+    (addmm_, beta = 1) instead of returning it for autograd to add: autograd computes each micro-batch's weight
+    gradient into a new tensor and then adds it to .grad in a second kernel, which reads two and writes one
+    weight-sized tensor (TinyLlama full fine-tune: 477 such adds per step, 7.8 ms of a 122 ms H100 step in
+    benchmarks/results/kernels-tiny; every micro-batch adds, as CUDA graphs keep .grad allocated). The matmul reads
+    the old gradient as it writes the new sum: the same sum, rounded once (fp32 accumulation) where autograd rounds
+    the product and then the sum. For one device only: DDP's all-reduce runs from autograd's accumulation hooks,
+    which this bypasses."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias = weight, bias  # parameters: kept on ctx, so that backward reaches their .grad
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        rows = grad.reshape(-1, grad.shape[-1])
+        if weight.requires_grad:
+            add_into_grad(weight, rows.t(), x.reshape(-1, x.shape[-1]))
+        if bias is not None and bias.requires_grad:
+            summed = rows.sum(0)
+            if bias.grad is None:
+                bias.grad = summed
+            else:
+                bias.grad.add_(summed)
+        return grad_x, None, None
+
+
+def add_into_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """param.grad += a @ b in one matmul (param.grad = a @ b when there is none yet)."""
+    if param.grad is None:
+        param.grad = a.mm(b)
+    else:
+        param.grad.addmm_(a, b)
+
+
+def grad_into_weight_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward through LinearGradIntoWeight (train.grad_into_weights) while its weight trains; a frozen
+    layer (LoRA's base) or an inference call (no grad) stays nn.Linear's own."""
+    if not (torch.is_grad_enabled() and self.weight.requires_grad):
+        return F.linear(x, self.weight, self.bias)
+    return LinearGradIntoWeight.apply(x, self.weight, self.bias)
+
+
 def fast_attention_applies(config) -> bool:
     """attention_forward covers Llama-style attention: RoPE over the whole head, no q/k norms, no interleaved RoPE."""
     return (config.rope_n_elem == config.head_size and not config.norm_qk
@@ -510,12 +559,14 @@ def rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True, attention: bool = True,
-                    swiglu: bool = True, mixed_linear: bool = False) -> None:
+                    swiglu: bool = True, mixed_linear: bool = False, grad_into_weights: bool = False) -> None:
     """Swap in packed attention; with ``attention`` (train.fast_attention), attention_forward where it applies; with
     ``lora`` (train.fast_lora), the matmul LoRA layers; with ``norm`` (train.fused_rms_norm), torch's rms_norm; with
     ``swiglu`` (train.lean_swiglu), mlp_forward in LLaMA MLPs; with ``mixed_linear`` (train.lean_mixed_linear, for
     -mixed precision), mixed_linear_forward in every plain nn.Linear (LoRA's base layers and the output layer
-    included; bitsandbytes' 4-bit layers, a subclass, keep theirs). Per instance: LitGPT's classes stay untouched."""
+    included; bitsandbytes' 4-bit layers, a subclass, keep theirs); with ``grad_into_weights``
+    (train.grad_into_weights, -true precision on one device), grad_into_weight_forward in every plain nn.Linear.
+    Per instance: LitGPT's classes stay untouched."""
     import types
 
     from litgpt.lora import LoRALinear, LoRAQKVLinear
@@ -536,6 +587,8 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
             module.forward = types.MethodType(rms_norm_forward, module)
         elif mixed_linear and type(module) is torch.nn.Linear:
             module.forward = types.MethodType(mixed_linear_forward, module)
+        elif grad_into_weights and type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(grad_into_weight_forward, module)
 
 
 class CausalLM(torch.nn.Module):

@@ -607,3 +607,43 @@ def test_inductor_compiles_blocks_without_mix_order_reduction(tiny_recipe, monke
     calls.clear()
     compile_blocks(gpt, backend="aot_eager")
     assert "options" not in calls[0]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("grads_allocated", [False, True])  # None before the first pass, or kept and zeroed (graphs)
+def test_linear_grad_into_weight_adds_the_same_gradients_as_autograd(bias, grads_allocated):
+    from litft.model import grad_into_weight_forward
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(24, 40, bias=bias)
+    fused = copy.deepcopy(plain)
+    fused.forward = grad_into_weight_forward.__get__(fused)
+    if grads_allocated:
+        for p in (*plain.parameters(), *fused.parameters()):
+            p.grad = torch.zeros_like(p)
+    for _ in range(3):  # three micro-batches into one step's gradients
+        x = torch.randn(2, 7, 24, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        fused(x).square().sum().backward()
+        plain(x_ref).square().sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    for p, ref in zip(fused.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad)
+    with torch.no_grad():  # inference: nn.Linear's own forward, no autograd function
+        assert fused(torch.randn(3, 24)).grad_fn is None
+
+
+def test_grad_into_weights_trains_full_fine_tunes_alike_and_only_where_it_applies(tiny_recipe, tmp_path):
+    common = dict(method="full", optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}})
+    on = litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / "on")))
+    off = litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / "off"), train={"grad_into_weights": False}))
+    assert on.result["grad_into_weights"] is True and off.result["grad_into_weights"] is False
+    import json
+
+    losses = [[json.loads(l)["loss"] for l in (r.out_dir / "metrics.jsonl").read_text().splitlines()] for r in (on, off)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # where autograd's accumulation stays: adapters (frozen base layers), -mixed precision, more than one device
+    assert not tiny_recipe(method="lora").adds_grads_in_matmul
+    assert not tiny_recipe(method="full", precision="bf16-mixed").adds_grads_in_matmul
+    assert not tiny_recipe(method="full", devices=2).adds_grads_in_matmul
+    assert tiny_recipe(method="full").adds_grads_in_matmul
