@@ -992,7 +992,8 @@ def clip_gradients(fabric, model, optimizer, max_norm: float) -> torch.Tensor:
     if scales_in_step(fabric, inner):
         grads = [p.grad for group in inner.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        inner.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+        # fp32, as the fused kernels take their grad_scale (GradScaler's); the norm of bf16 gradients is bf16
+        inner.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
         return norm
     return fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
 

@@ -336,11 +336,12 @@ def test_running_out_of_memory_while_capturing_graphs_exits_4_with_a_snapshot(ti
     assert (out_dir / "memory_snapshot.pickle").is_file()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])
-def test_clipping_inside_the_fused_cuda_step_equals_clip_grad_norm_then_step(max_norm):
+def test_clipping_inside_the_fused_cuda_step_equals_clip_grad_norm_then_step(max_norm, dtype):
     from tests.test_finetune import assert_clipping_in_step_matches
 
-    assert_clipping_in_step_matches("cuda", max_norm)
+    assert_clipping_in_step_matches("cuda", max_norm, dtype)
 
 
 def test_weight_gradients_added_by_the_matmul_train_alike_under_cuda_graphs(tiny_recipe, tmp_path):
