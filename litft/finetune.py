@@ -181,6 +181,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
                           " not implement; use a Llama-family model (TinyLlama, OpenLLaMA, Llama, ...)")
     graphed = use_cuda_graphs(recipe, fabric)
     compiled, compile_why = use_compile(recipe, fabric, config, data.train.stats, graphed)
+    grads_in_matmul = recipe.adds_grads_in_matmul and not compiled  # train.grad_into_weights in effect
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
@@ -199,7 +200,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
                         attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu,
                         mixed_linear=recipe.recasts_mixed_weights,
-                        grad_into_weights=recipe.adds_grads_in_matmul and not compiled)
+                        grad_into_weights=grads_in_matmul)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -215,7 +216,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + f", SwiGLU {'lean' if recipe.train.lean_swiglu else 'LitGPT'}"
             + (f", -mixed weights {'recast in backward' if recipe.recasts_mixed_weights else 'kept by autocast'}"
                if recipe.precision.endswith("-mixed") else "")
-            + (", weight gradients added by the matmul" if recipe.adds_grads_in_matmul and not compiled else "")
+            + (", weight gradients added by the matmul" if grads_in_matmul else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
@@ -340,7 +341,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         result["cuda_graphs"] = graph_stats
         result["compile"] = run_compile_stats
         result["optimizer"] = optimizer_used
-        result["grad_into_weights"] = recipe.adds_grads_in_matmul and not compiled  # train.grad_into_weights in effect
+        result["grad_into_weights"] = grads_in_matmul
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
