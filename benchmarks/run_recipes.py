@@ -339,6 +339,22 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
         ("lora", "tiny-llama-lora", GPU + steps(30)),
     ],
+    # Issue 5, session 12: train.triton_kernels (SwiGLU and RoPE as one Triton kernel each way) and
+    # train.grad_into_weights for LoRA/QLoRA adapters (model.LowRankUpdate), each switched off alone against the
+    # defaults, one process per run; the LoRA default profiled for the kernel table.
+    "triton-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("lora-torch-ops", "tiny-llama-lora", GPU + steps(30) + ["--train.triton_kernels", "false"]),
+        ("lora-autograd-adapters", "tiny-llama-lora", GPU + steps(30) + ["--train.grad_into_weights", "false"]),
+        ("lora-neither", "tiny-llama-lora", GPU + steps(30) + ["--train.triton_kernels", "false",
+                                                               "--train.grad_into_weights", "false"]),
+        ("lora-again", "tiny-llama-lora", GPU + steps(30)),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("qlora-neither", "tiny-llama-qlora", GPU + steps(30) + ["--train.triton_kernels", "false",
+                                                                 "--train.grad_into_weights", "false"]),
+        ("full", "tiny-llama-full", GPU + steps(24)),
+        ("full-torch-ops", "tiny-llama-full", GPU + steps(24) + ["--train.triton_kernels", "false"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

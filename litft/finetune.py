@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from litft import metrics
+from litft import kernels, metrics
 from litft.errors import ConfigError, DataError, LitftError, NonFiniteLossError, OutOfMemoryError
 from litft.model import (
     CausalLM,
@@ -182,6 +182,11 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     graphed = use_cuda_graphs(recipe, fabric)
     compiled, compile_why = use_compile(recipe, fabric, config, data.train.stats, graphed)
     grads_in_matmul = recipe.adds_grads_in_matmul and not compiled  # train.grad_into_weights in effect
+    # train.triton_kernels in effect: eager CUDA runs (compiled blocks fuse the same ops through inductor)
+    triton_kernels = (recipe.train.triton_kernels and fabric.device.type == "cuda" and not compiled
+                      and kernels.triton is not None)
+    if recipe.train.triton_kernels and fabric.device.type == "cuda" and kernels.triton is None:
+        say("speed: train.triton_kernels is on but Triton is not installed: SwiGLU and RoPE run as torch ops")
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
@@ -200,7 +205,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
                         attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu,
                         mixed_linear=recipe.recasts_mixed_weights,
-                        grad_into_weights=grads_in_matmul)
+                        grad_into_weights=grads_in_matmul, triton_kernels=triton_kernels)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -217,6 +222,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + (f", -mixed weights {'recast in backward' if recipe.recasts_mixed_weights else 'kept by autocast'}"
                if recipe.precision.endswith("-mixed") else "")
             + (", weight gradients added by the matmul" if grads_in_matmul else "")
+            + (", SwiGLU and RoPE in Triton kernels" if triton_kernels else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
@@ -342,6 +348,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         result["compile"] = run_compile_stats
         result["optimizer"] = optimizer_used
         result["grad_into_weights"] = grads_in_matmul
+        result["triton_kernels"] = triton_kernels
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from litft import kernels
 from litft.errors import CheckpointError, ConfigError
 from litft.recipe import Recipe, resolve_path
 
@@ -346,14 +347,19 @@ def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 
 class RotaryEmbedding(torch.autograd.Function):
-    """LitGPT's apply_rope, x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), in 3 kernels each way and
-    keeping only the tables for the backward pass: rotate_half(x) sin = roll(x) s' with roll(x) = (x2, x1) (x rolled
-    by half the head) and s' = (-sin1, sin2), so the forward is one multiply and one addcmul. The map is linear in x
-    and its transpose is the same with -s', so the backward is too. LitGPT's version runs ~6 kernels each way per
-    tensor (a negation, two concatenations, two multiplies, an add)."""
+    """LitGPT's apply_rope, x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), keeping only the tables for the
+    backward pass. With ``fused`` (train.triton_kernels) on a CUDA tensor in eager mode: one Triton kernel each way
+    (kernels.rope). Otherwise 3 torch kernels each way: rotate_half(x) sin = roll(x) s' with roll(x) = (x2, x1) (x
+    rolled by half the head) and s' = (-sin1, sin2), so the forward is one multiply and one addcmul. The map is linear
+    in x and its transpose is the same with -s', so the backward is too. LitGPT's version runs ~6 kernels each way
+    per tensor (a negation, two concatenations, two multiplies, an add)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        ctx.fused = fused and kernels.available(x)
+        if ctx.fused:
+            ctx.save_for_backward(cos, sin)
+            return kernels.rope(x, cos, sin)
         half = x.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         ctx.save_for_backward(cos, signed_sin)
@@ -361,9 +367,13 @@ class RotaryEmbedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.fused:
+            cos, sin = ctx.saved_tensors
+            return kernels.rope(grad, cos, sin, transpose=True), None, None, None
         cos, signed_sin = ctx.saved_tensors
         half = grad.shape[-1] // 2
-        return torch.addcmul(grad * cos, grad.roll(half, dims=-1), signed_sin, value=-1).to(grad.dtype), None, None
+        grad_x = torch.addcmul(grad * cos, grad.roll(half, dims=-1), signed_sin, value=-1).to(grad.dtype)
+        return grad_x, None, None, None
 
 
 def attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None, input_pos=None,
@@ -378,7 +388,8 @@ def attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     b, t, _ = x.shape
     heads, groups, head_size = self.config.n_head, self.config.n_query_groups, self.config.head_size
     qk, v = self.qkv(x).split(((heads + groups) * head_size, groups * head_size), dim=-1)
-    qk = RotaryEmbedding.apply(qk.view(b, t, heads + groups, head_size), cos.unsqueeze(2), sin.unsqueeze(2))
+    qk = RotaryEmbedding.apply(qk.view(b, t, heads + groups, head_size), cos.unsqueeze(2), sin.unsqueeze(2),
+                               self.triton_kernels)
     q, k = qk.split((heads, groups), dim=2)  # split (not slicing): its backward is one concatenation
     y = causal_attention(self, q, k, v.view(b, t, groups, head_size), mask)
     return self.proj(y.reshape(b, t, heads * head_size))
@@ -388,22 +399,27 @@ class SwiGLU(torch.autograd.Function):
     """LLaMAMLP's silu(a) * b (a = fc_1(x), b = fc_2(x)) keeping a and b for the backward pass and recomputing silu(a)
     there, where autograd keeps silu(a) as well: one tensor of intermediate_size per token less (TinyLlama: 11,264
     bytes per token and block in bf16; 1 GiB for 22 blocks at 4,096 positions), for one more elementwise pass in
-    the backward pass (silu again; silu_backward gives a's gradient in one kernel)."""
+    the backward pass. With ``fused`` (train.triton_kernels) on a CUDA tensor in eager mode: one Triton kernel each
+    way (kernels.swiglu_forward/backward), where torch runs 2 forward and 4 backward."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        ctx.fused = fused and kernels.available(a)
         ctx.save_for_backward(a, b)
-        return F.silu(a) * b
+        return kernels.swiglu_forward(a, b) if ctx.fused else F.silu(a) * b
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, b = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * b, a), grad * F.silu(a)
+        if ctx.fused:
+            return *kernels.swiglu_backward(grad, a, b), None
+        return torch.ops.aten.silu_backward(grad * b, a), grad * F.silu(a), None
 
 
 def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """LLaMAMLP.forward with SwiGLU's silu recomputed in the backward pass (train.lean_swiglu)."""
-    return self.proj(SwiGLU.apply(self.fc_1(x), self.fc_2(x)))
+    """LLaMAMLP.forward with SwiGLU's silu recomputed in the backward pass (train.lean_swiglu), in Triton kernels on
+    CUDA with train.triton_kernels."""
+    return self.proj(SwiGLU.apply(self.fc_1(x), self.fc_2(x), self.triton_kernels))
 
 
 class MixedPrecisionLinear(torch.autograd.Function):
@@ -506,33 +522,90 @@ def _add_low_rank(pretrained: torch.Tensor, after_a: torch.Tensor, b: torch.Tens
     return pretrained.addmm_(after_a, b.t().to(pretrained.dtype))
 
 
-def lora_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+class LowRankUpdate(torch.autograd.Function):
+    """The adapters' half of a LoRA layer with their gradients added into .grad by the backward matmuls
+    (train.grad_into_weights for LoRA and QLoRA): pretrained += s (dropped A^T) B_p^T for each part p, a block of
+    output columns with its rows of B and its r columns of dropped A^T (one part for a LoRALinear; one per adapted
+    projection of a LoRAQKVLinear, its block-diagonal B applied block by block). The scale s rides on the matmuls
+    (alpha), not on a tensor.
+
+    Per adapted layer and micro-batch this runs 2 + 2 x parts matmuls and nothing else, where autograd runs the
+    scale's multiply each way and adds each adapter gradient into .grad in its own kernel (A and B: 2 per layer;
+    ~500 kernels of a few microseconds per TinyLlama LoRA step, every micro-batch under CUDA graphs). For one device
+    and -true precision only, as LinearGradIntoWeight."""
+
+    @staticmethod
+    def forward(ctx, pretrained: torch.Tensor, dropped: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                scale: float, parts: tuple) -> torch.Tensor:
+        after_a = dropped.mm(lora_a.t())  # (tokens, r x parts)
+        for columns, b_rows, a_columns in parts:  # column blocks of a row-major matmul output: views, no copies
+            pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
+        ctx.mark_dirty(pretrained)
+        ctx.save_for_backward(dropped, after_a)
+        ctx.lora_a, ctx.lora_b, ctx.scale, ctx.parts = lora_a, lora_b, scale, parts  # parameters: reach their .grad
+        return pretrained
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dropped, after_a = ctx.saved_tensors
+        lora_a, lora_b, scale = ctx.lora_a, ctx.lora_b, ctx.scale
+        if lora_b.grad is None:
+            lora_b.grad = torch.zeros_like(lora_b)
+        grad_after_a = torch.empty_like(after_a)
+        for columns, b_rows, a_columns in ctx.parts:
+            block = grad[:, columns]
+            lora_b.grad[b_rows].addmm_(block.t(), after_a[:, a_columns], alpha=scale)
+            grad_after_a[:, a_columns].addmm_(block, lora_b[b_rows], beta=0, alpha=scale)  # beta 0: not read
+        add_into_grad(lora_a, grad_after_a.t(), dropped)
+        grad_dropped = grad_after_a.mm(lora_a) if ctx.needs_input_grad[1] else None
+        return grad if ctx.needs_input_grad[0] else None, grad_dropped, None, None, None, None
+
+
+def lora_linear_forward(self, x: torch.Tensor, grads_into_adapters: bool = False) -> torch.Tensor:
     """LoRALinear.forward as W x + B (s A dropout(x)): the scale s = alpha / r multiplies the r-wide product, not the
     layer's output, and the matmul with B adds into W x in place. The same function as LitGPT's
     ``W x + (dropout(x) A^T B^T) s``. Per adapted layer it saves the scale's multiply and the add over the whole
     output (TinyLlama's adapted layers write 17,920 outputs per token and block: q, k, v 2,560, proj 2,048, fc_1 and
-    fc_2 5,632 each, mlp proj 2,048), forward and backward."""
+    fc_2 5,632 each, mlp proj 2,048), forward and backward. With ``grads_into_adapters`` (train.grad_into_weights)
+    the adapters run as LowRankUpdate."""
     if self.r == 0 or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])  # 2-D from the start: the in-place add acts on a matmul output, not a view
     pretrained = self.linear(rows)
+    if grads_into_adapters and torch.is_grad_enabled():
+        everything = slice(None)
+        out = LowRankUpdate.apply(pretrained, self.lora_dropout(rows), self.lora_A, self.lora_B, self.scaling,
+                                  ((everything, everything, everything),))
+        return out.view(*x.shape[:-1], -1)
     after_a = F.linear(self.lora_dropout(rows), self.lora_A) * self.scaling  # (tokens, r): the scale costs nothing
     return _add_low_rank(pretrained, after_a, self.lora_B).view(*x.shape[:-1], -1)
 
 
-def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
+def lora_qkv_forward(self, x: torch.Tensor, grads_into_adapters: bool = False) -> torch.Tensor:
     """LoRAQKVLinear.forward without conv1d and zero-padding: lora_A's rows hold r per adapted projection and
     lora_B's rows the adapted projections' outputs. One (tokens, r x adapted) x (r x adapted, q + k + v) matmul with
     a block-diagonal B (zeros for a projection not adapted: a few hundred thousand multiply-adds per token) adds
     the adapters' outputs into the pretrained output in place, scaled on the r-wide side as in lora_linear_forward.
-    Same result as LitGPT's grouped conv1d + index_copy, as plain matmuls that compile and fuse well."""
+    Same result as LitGPT's grouped conv1d + index_copy, as plain matmuls that compile and fuse well. With
+    ``grads_into_adapters`` (train.grad_into_weights) LowRankUpdate applies B block by block instead."""
     if self.r == 0 or not any(self.enable_lora) or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])
     pretrained = self.linear(rows)
-    after_a = F.linear(self.lora_dropout(rows), self.lora_A) * self.scaling  # (tokens, r x adapted)
     q_size = self.head_size * self.n_head
     kv_size = self.head_size * self.n_query_groups
+    if grads_into_adapters and torch.is_grad_enabled():
+        parts, column, b_row, a_column = [], 0, 0, 0
+        for enabled, size in zip(self.enable_lora, (q_size, kv_size, kv_size)):
+            if enabled:
+                parts.append((slice(column, column + size), slice(b_row, b_row + size),
+                              slice(a_column, a_column + self.r)))
+                b_row, a_column = b_row + size, a_column + self.r
+            column += size
+        out = LowRankUpdate.apply(pretrained, self.lora_dropout(rows), self.lora_A, self.lora_B, self.scaling,
+                                  tuple(parts))
+        return out.view(*x.shape[:-1], -1)
+    after_a = F.linear(self.lora_dropout(rows), self.lora_A) * self.scaling  # (tokens, r x adapted)
     adapted = sum(self.enable_lora)
     parts = iter(self.lora_B.split(self.qkv_shapes, dim=0))
     blocks, column = [], 0
@@ -559,14 +632,18 @@ def rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True, attention: bool = True,
-                    swiglu: bool = True, mixed_linear: bool = False, grad_into_weights: bool = False) -> None:
+                    swiglu: bool = True, mixed_linear: bool = False, grad_into_weights: bool = False,
+                    triton_kernels: bool = False) -> None:
     """Swap in packed attention; with ``attention`` (train.fast_attention), attention_forward where it applies; with
     ``lora`` (train.fast_lora), the matmul LoRA layers; with ``norm`` (train.fused_rms_norm), torch's rms_norm; with
     ``swiglu`` (train.lean_swiglu), mlp_forward in LLaMA MLPs; with ``mixed_linear`` (train.lean_mixed_linear, for
     -mixed precision), mixed_linear_forward in every plain nn.Linear (LoRA's base layers and the output layer
     included; bitsandbytes' 4-bit layers, a subclass, keep theirs); with ``grad_into_weights``
-    (train.grad_into_weights, -true precision on one device), grad_into_weight_forward in every plain nn.Linear.
-    Per instance: LitGPT's classes stay untouched."""
+    (train.grad_into_weights, -true precision on one device), grad_into_weight_forward in every plain nn.Linear and
+    LowRankUpdate in the fast LoRA layers;
+    with ``triton_kernels`` (train.triton_kernels), mlp_forward's SwiGLU and attention_forward's RoPE run Triton
+    kernels on CUDA in eager mode. Per instance: LitGPT's classes stay untouched."""
+    import functools
     import types
 
     from litgpt.lora import LoRALinear, LoRAQKVLinear
@@ -575,14 +652,18 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
     for module in model.modules():
         if swiglu and type(module).__name__ == "LLaMAMLP" and isinstance(module, LLaMAMLP):  # not its subclasses
             module.forward = types.MethodType(mlp_forward, module)
+            module.triton_kernels = triton_kernels
         if isinstance(module, CausalSelfAttention):
             module.scaled_dot_product_attention = types.MethodType(packed_attention, module)
             if attention and fast_attention_applies(module.config):
                 module.forward = types.MethodType(attention_forward, module)
+                module.triton_kernels = triton_kernels
         if lora and isinstance(module, LoRAQKVLinear):
-            module.forward = types.MethodType(lora_qkv_forward, module)
+            module.forward = types.MethodType(
+                functools.partial(lora_qkv_forward, grads_into_adapters=grad_into_weights), module)
         elif lora and isinstance(module, LoRALinear):
-            module.forward = types.MethodType(lora_linear_forward, module)
+            module.forward = types.MethodType(
+                functools.partial(lora_linear_forward, grads_into_adapters=grad_into_weights), module)
         elif norm and isinstance(module, RMSNorm) and module.dim == -1:
             module.forward = types.MethodType(rms_norm_forward, module)
         elif mixed_linear and type(module) is torch.nn.Linear:

@@ -215,12 +215,20 @@ class TrainConfig:
     No effect with -true precision or 4-bit layers. false: autocast's own linear, for comparison."""
 
     grad_into_weights: bool = True
-    """Full fine-tuning with -true precision on one device, blocks not compiled: each linear layer's backward pass adds
-    its weight gradient into .grad by the matmul itself (model.LinearGradIntoWeight), where autograd writes a new
-    tensor and adds it in a second kernel per weight and micro-batch (TinyLlama: 7.8 ms of a 122 ms H100 step).
-    Not with DDP (its all-reduce hooks on autograd's add), -mixed precision (fp32 gradients of 16-bit products) or
-    torch.compile (dynamo cannot trace a backward that writes .grad, and would split each block at every linear
-    layer). false: autograd's accumulation, for comparison."""
+    """-true precision on one device, blocks not compiled: the backward matmuls add the weight gradients into .grad
+    themselves, where autograd writes each into a new tensor and adds it in a second kernel per weight and
+    micro-batch. Full fine-tuning: every linear layer (model.LinearGradIntoWeight; TinyLlama: 7.8 ms of a 122 ms H100
+    step). LoRA and QLoRA with fast_lora: the adapters (model.LowRankUpdate), which also drops the scale's multiply
+    each way (~500 small kernels per TinyLlama step). Not with DDP (its all-reduce hooks on autograd's add), -mixed
+    precision (fp32 gradients of 16-bit products) or torch.compile (dynamo cannot trace a backward that writes .grad,
+    and would split each block at every such layer). false: autograd's accumulation, for comparison."""
+
+    triton_kernels: bool = True
+    """Eager runs on CUDA: SwiGLU (with lean_swiglu) and RoPE (with fast_attention) as one Triton kernel each way
+    (litft.kernels), where torch runs 2 + 4 and 3 + 3 kernels that each read and write whole activations. The same
+    arithmetic in fp32, rounded once. Triton compiles them in seconds on the first step (cached on disk); compiled
+    blocks fuse these ops themselves, and CPU runs or an install without Triton use the torch ops. false: the torch
+    ops, for comparison."""
 
     loss_chunk: int = 1024
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so
@@ -388,8 +396,7 @@ class Recipe:
     @property
     def adds_grads_in_matmul(self) -> bool:
         """train.grad_into_weights in effect, before torch.compile is decided (compiled blocks keep autograd's)."""
-        return (self.train.grad_into_weights and self.method == "full" and not self.precision.endswith("-mixed")
-                and self.devices == 1)
+        return self.train.grad_into_weights and not self.precision.endswith("-mixed") and self.devices == 1
 
     @property
     def recasts_mixed_weights(self) -> bool:

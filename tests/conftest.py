@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# litft.kernels' Triton kernels run on CUDA tensors. On a machine without a GPU the tests run them in Triton's
+# interpreter, on CPU tensors; Triton reads this when the kernels are defined (litft.kernels' import), so it is set
+# before any test module imports litft.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A few sentences in the style of the instruction data, enough for BPE to learn merges for common words.
 _TOKENIZER_CORPUS = [

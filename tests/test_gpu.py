@@ -38,7 +38,8 @@ def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
     assert next(result.model.parameters()).dtype == torch.bfloat16
     assert r["optimizer"] == {"class": "torch.optim.adamw.AdamW", "implementation": "fused",
                               "clipping": "norm only; the fused step divides"}
-    assert r["grad_into_weights"] is (method == "full")
+    assert r["grad_into_weights"] is True
+    assert r["triton_kernels"] is True
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "nf4-dq", "fp4"])
@@ -95,6 +96,22 @@ def test_fast_attention_and_litgpts_attention_train_alike_on_cuda(tiny_recipe, t
     runs = [litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / str(fast)),
                                        train={"compile": "never", "fast_attention": fast}))
             for fast in (True, False)]
+    rows = [step_losses(r) for r in runs]
+    assert len(rows[0]) == len(rows[1]) == 4
+    assert rows[0] == pytest.approx(rows[1], rel=2e-2)
+    assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=2e-2)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_triton_kernels_and_torch_ops_train_alike_on_cuda(tiny_recipe, tmp_path, method):
+    """train.triton_kernels on and off (SwiGLU and RoPE as Triton kernels or torch ops, inside CUDA graphs) give the
+    same losses within bf16 rounding, step by step and on the validation set."""
+    common = dict(method=method, lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "k", "v", "o", "mlp"]},
+                  eval={"initial": False, "final": True, "interval": 0})
+    runs = [litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / str(fused)),
+                                       train={"compile": "never", "triton_kernels": fused}))
+            for fused in (True, False)]
+    assert [r.result["triton_kernels"] for r in runs] == [True, False]
     rows = [step_losses(r) for r in runs]
     assert len(rows[0]) == len(rows[1]) == 4
     assert rows[0] == pytest.approx(rows[1], rel=2e-2)
@@ -344,9 +361,13 @@ def test_clipping_inside_the_fused_cuda_step_equals_clip_grad_norm_then_step(max
     assert_clipping_in_step_matches("cuda", max_norm, dtype)
 
 
-def test_weight_gradients_added_by_the_matmul_train_alike_under_cuda_graphs(tiny_recipe, tmp_path):
-    on = litft.finetune(_gpu_recipe(tiny_recipe, method="full", out_dir=str(tmp_path / "on")))
-    off = litft.finetune(_gpu_recipe(tiny_recipe, method="full", out_dir=str(tmp_path / "off"),
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_weight_gradients_added_by_the_matmul_train_alike_under_cuda_graphs(tiny_recipe, tmp_path, method):
+    common = dict(method=method, lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "k", "v", "o", "mlp", "head"]})
+    if method == "qlora":
+        common["quantize"] = "nf4"
+    on = litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / "on")))
+    off = litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / "off"),
                                      train={"grad_into_weights": False, "compile": "never"}))
     assert on.result["grad_into_weights"] and on.result["cuda_graphs"]["on"] and on.result["cuda_graphs"]["replays"] > 0
     assert not off.result["grad_into_weights"]

@@ -1,0 +1,133 @@
+"""Triton kernels for the elementwise parts of a Llama block that eager PyTorch runs as several kernels: SwiGLU and
+RoPE, forward and backward (train.triton_kernels). Each reads its inputs once and writes its outputs once, in fp32
+arithmetic rounded once to the output dtype.
+
+Why: in an eager step every torch op is its own kernel, and each reads and writes whole activations. SwiGLU's
+silu(a) * b is 2 kernels forward and 4 backward (TinyLlama LoRA on an H100: ~6 ms of a 74 ms step in
+benchmarks/results/kernels-tiny); RoPE is 3 each way (roll, multiply, addcmul: ~4 ms). torch.compile fuses the same
+ops, but compiling a model takes 1-1.5 minutes, more than a short lab run gains; these kernels compile in seconds
+(Triton's JIT, cached on disk) and run inside litft's CUDA graphs like any kernel.
+
+Only on CUDA tensors, and not while torch.compile traces (inductor fuses these ops itself): elsewhere
+model.SwiGLU / model.RotaryEmbedding run their torch ops. Triton ships with torch's CUDA builds; without it
+(a CPU-only install) `available()` is false. The functions below take any device's tensors, so the tests run them in
+Triton's interpreter (TRITON_INTERPRET=1) on the CPU against the torch versions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds do not ship Triton
+    triton = None
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can take ``x``: a CUDA tensor, Triton installed, and not under torch.compile."""
+    return triton is not None and x.is_cuda and not torch.compiler.is_compiling()
+
+
+# 4,096 elements per program: 8 warps x 32 threads x 16 elements, wide enough to stream at full bandwidth.
+_SWIGLU_BLOCK = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_forward_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        a = tl.load(a_ptr + offsets, mask=inside).to(tl.float32)
+        b = tl.load(b_ptr + offsets, mask=inside).to(tl.float32)
+        out = a * tl.sigmoid(a) * b
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _swiglu_backward_kernel(grad_ptr, a_ptr, b_ptr, grad_a_ptr, grad_b_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        grad = tl.load(grad_ptr + offsets, mask=inside).to(tl.float32)
+        a = tl.load(a_ptr + offsets, mask=inside).to(tl.float32)
+        b = tl.load(b_ptr + offsets, mask=inside).to(tl.float32)
+        sigmoid = tl.sigmoid(a)
+        silu = a * sigmoid
+        # d silu(a) / da = sigmoid(a) (1 + a (1 - sigmoid(a)))
+        grad_a = grad * b * sigmoid * (1.0 + a * (1.0 - sigmoid))
+        tl.store(grad_a_ptr + offsets, grad_a.to(grad_a_ptr.dtype.element_ty), mask=inside)
+        tl.store(grad_b_ptr + offsets, (grad * silu).to(grad_b_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, positions, heads,
+                     x_stride_row, x_stride_position, x_stride_head,
+                     table_stride_row, table_stride_position, half,
+                     TRANSPOSE: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # one program per (row, position): every head of that token; out is contiguous (rows, positions, heads, 2 half)
+        token = tl.program_id(0)
+        row = token // positions
+        position = token % positions
+        head = tl.arange(0, BLOCK_HEADS)[:, None]
+        column = tl.arange(0, BLOCK_HALF)[None, :]
+        inside = (head < heads) & (column < half)
+        x_first = x_ptr + row.to(tl.int64) * x_stride_row + position * x_stride_position + head * x_stride_head + column
+        x1 = tl.load(x_first, mask=inside).to(tl.float32)
+        x2 = tl.load(x_first + half, mask=inside).to(tl.float32)
+        table = row * table_stride_row + position * table_stride_position + column
+        cos1 = tl.load(cos_ptr + table, mask=column < half).to(tl.float32)
+        cos2 = tl.load(cos_ptr + table + half, mask=column < half).to(tl.float32)
+        sin1 = tl.load(sin_ptr + table, mask=column < half).to(tl.float32)
+        sin2 = tl.load(sin_ptr + table + half, mask=column < half).to(tl.float32)
+        if TRANSPOSE:  # the backward pass: the map's transpose
+            out1 = x1 * cos1 + x2 * sin2
+            out2 = x2 * cos2 - x1 * sin1
+        else:  # x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)
+            out1 = x1 * cos1 - x2 * sin1
+            out2 = x2 * cos2 + x1 * sin2
+        out_first = out_ptr + token.to(tl.int64) * heads * 2 * half + head * 2 * half + column
+        tl.store(out_first, out1.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_first + half, out2.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b in one pass."""
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty_like(a)
+    n = a.numel()
+    _swiglu_forward_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](a, b, out, n, BLOCK=_SWIGLU_BLOCK, num_warps=8)
+    return out
+
+
+def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of silu(a) * b with respect to a and b, in one pass (silu(a) recomputed, not kept)."""
+    grad, a, b = grad.contiguous(), a.contiguous(), b.contiguous()
+    grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+    n = a.numel()
+    _swiglu_backward_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](grad, a, b, grad_a, grad_b, n, BLOCK=_SWIGLU_BLOCK,
+                                                              num_warps=8)
+    return grad_a, grad_b
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """LitGPT's apply_rope on x (rows, positions, heads, head_size), any strides with the last dimension contiguous
+    (a slice of the qkv output, say): x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), or with
+    ``transpose`` the map's transpose (the backward pass). cos, sin: (rows or 1, positions, head_size), or with a
+    singleton head dimension before the last. Returns a new contiguous tensor of x's shape and dtype."""
+    rows, positions, heads, head_size = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = (t.reshape(t.shape[0], positions, head_size).contiguous() for t in (cos, sin))
+    half = head_size // 2
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rope_kernel[(rows * positions,)](
+        x, cos, sin, out, positions, heads, x.stride(0), x.stride(1), x.stride(2),
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), half,
+        TRANSPOSE=transpose, BLOCK_HEADS=_next_power_of_2(heads), BLOCK_HALF=_next_power_of_2(half), num_warps=4)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,88 @@
+"""litft.kernels' Triton kernels against the torch functions they replace: SwiGLU (model.SwiGLU's torch path) and
+RoPE (LitGPT's own apply_rope and its autograd gradient), forward and backward, in fp32 (equal to rounding) and bf16
+(within bf16 rounding). On a CPU-only machine they run in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET); the `gpu` variants run the compiled kernels on CUDA."""
+
+import pytest
+import torch
+
+from litft import kernels
+from litft.model import RotaryEmbedding, SwiGLU
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton():
+    assert kernels.triton is not None, "Triton is missing: `pip install -e .[test]` installs it"
+
+
+def _bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # bf16 keeps 8 significant bits: an element may differ by a few units of its last place
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_kernels_match_torch(device, dtype):
+    torch.manual_seed(0)
+    # 5,000 elements: more than one program of 4,096, the second one partly masked
+    a, b, grad = (torch.randn(2, 50, 50, device=device) for _ in range(3))
+    a32, b32 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    expected = SwiGLU.apply(a32, b32, False)
+    expected.backward(grad)
+
+    out = kernels.swiglu_forward(a.to(dtype), b.to(dtype))
+    grad_a, grad_b = kernels.swiglu_backward(grad.to(dtype), a.to(dtype), b.to(dtype))
+    assert out.dtype == grad_a.dtype == grad_b.dtype == dtype
+    if dtype == torch.float32:
+        for actual, wanted in ((out, expected), (grad_a, a32.grad), (grad_b, b32.grad)):
+            torch.testing.assert_close(actual, wanted.detach(), rtol=1e-5, atol=1e-6)
+    else:
+        for actual, wanted in ((out, expected), (grad_a, a32.grad), (grad_b, b32.grad)):
+            _bf16_close(actual, wanted.detach())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row_tables", [False, True], ids=["shared-tables", "per-row-tables"])
+def test_rope_kernel_matches_litgpts_apply_rope(device, dtype, per_row_tables):
+    """The kernel on q and k as LitGPT's attention lays them out (a strided slice of the qkv output, grouped k heads)
+    gives apply_rope's result, and with transpose=True apply_rope's gradient. Per-row tables: packed rows, whose
+    positions restart with each sample."""
+    from litgpt.model import apply_rope, build_rope_cache
+
+    torch.manual_seed(0)
+    rows, positions, heads, groups, head_size = 2, 9, 6, 2, 16  # 8 rotated heads: q and k of 2 groups
+    cos, sin = build_rope_cache(32, head_size, device=torch.device(device))
+    if per_row_tables:
+        index = torch.stack([torch.arange(positions), torch.arange(positions) % 4]).to(device)  # row 1: 3 samples
+        cos, sin = cos[index], sin[index]  # (rows, positions, head_size)
+    else:
+        cos, sin = cos[:positions].unsqueeze(0), sin[:positions].unsqueeze(0)  # (1, positions, head_size)
+    qkv = torch.randn(rows, positions, (heads + 2 * groups) * head_size, device=device)
+    qk = qkv[..., : (heads + groups) * head_size].view(rows, positions, heads + groups, head_size)
+    assert not qk.is_contiguous()
+
+    # apply_rope takes (rows, heads, positions, head_size) and tables of (rows or 1, positions, head_size)
+    x = qk.transpose(1, 2).detach().clone().requires_grad_()
+    expected = apply_rope(x, cos, sin)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    expected, expected_grad = expected.transpose(1, 2), x.grad.transpose(1, 2)
+
+    out = kernels.rope(qk.to(dtype), cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype))
+    grad_x = kernels.rope(grad.transpose(1, 2).to(dtype), cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype),
+                          transpose=True)
+    assert out.shape == grad_x.shape == qk.shape and out.is_contiguous() and out.dtype == dtype
+    check = (lambda a, b: torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)) \
+        if dtype == torch.float32 else _bf16_close
+    check(out, expected)
+    check(grad_x, expected_grad)
+
+
+def test_kernels_take_only_cuda_tensors():
+    """On CPU tensors model.SwiGLU and model.RotaryEmbedding run their torch ops even when asked for the kernels."""
+    a = torch.randn(4, 8)
+    assert not kernels.available(a)
+    torch.testing.assert_close(SwiGLU.apply(a, a, True), SwiGLU.apply(a, a, False))
