@@ -561,18 +561,18 @@ class LowRankUpdate(torch.autograd.Function):
         return grad if ctx.needs_input_grad[0] else None, grad_dropped, None, None, None, None
 
 
-def lora_linear_forward(self, x: torch.Tensor, grads_into_adapters: bool = False) -> torch.Tensor:
+def lora_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LoRALinear.forward as W x + B (s A dropout(x)): the scale s = alpha / r multiplies the r-wide product, not the
     layer's output, and the matmul with B adds into W x in place. The same function as LitGPT's
     ``W x + (dropout(x) A^T B^T) s``. Per adapted layer it saves the scale's multiply and the add over the whole
     output (TinyLlama's adapted layers write 17,920 outputs per token and block: q, k, v 2,560, proj 2,048, fc_1 and
-    fc_2 5,632 each, mlp proj 2,048), forward and backward. With ``grads_into_adapters`` (train.grad_into_weights)
-    the adapters run as LowRankUpdate."""
+    fc_2 5,632 each, mlp proj 2,048), forward and backward. With ``self.grads_into_adapters`` (set by
+    use_fast_layers from train.grad_into_weights) the adapters run as LowRankUpdate."""
     if self.r == 0 or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])  # 2-D from the start: the in-place add acts on a matmul output, not a view
     pretrained = self.linear(rows)
-    if grads_into_adapters and torch.is_grad_enabled():
+    if self.grads_into_adapters and torch.is_grad_enabled():
         everything = slice(None)
         out = LowRankUpdate.apply(pretrained, self.lora_dropout(rows), self.lora_A, self.lora_B, self.scaling,
                                   ((everything, everything, everything),))
@@ -581,20 +581,20 @@ def lora_linear_forward(self, x: torch.Tensor, grads_into_adapters: bool = False
     return _add_low_rank(pretrained, after_a, self.lora_B).view(*x.shape[:-1], -1)
 
 
-def lora_qkv_forward(self, x: torch.Tensor, grads_into_adapters: bool = False) -> torch.Tensor:
+def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LoRAQKVLinear.forward without conv1d and zero-padding: lora_A's rows hold r per adapted projection and
     lora_B's rows the adapted projections' outputs. One (tokens, r x adapted) x (r x adapted, q + k + v) matmul with
     a block-diagonal B (zeros for a projection not adapted: a few hundred thousand multiply-adds per token) adds
     the adapters' outputs into the pretrained output in place, scaled on the r-wide side as in lora_linear_forward.
     Same result as LitGPT's grouped conv1d + index_copy, as plain matmuls that compile and fuse well. With
-    ``grads_into_adapters`` (train.grad_into_weights) LowRankUpdate applies B block by block instead."""
+    ``self.grads_into_adapters`` (train.grad_into_weights) LowRankUpdate applies B block by block instead."""
     if self.r == 0 or not any(self.enable_lora) or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])
     pretrained = self.linear(rows)
     q_size = self.head_size * self.n_head
     kv_size = self.head_size * self.n_query_groups
-    if grads_into_adapters and torch.is_grad_enabled():
+    if self.grads_into_adapters and torch.is_grad_enabled():
         parts, column, b_row, a_column = [], 0, 0, 0
         for enabled, size in zip(self.enable_lora, (q_size, kv_size, kv_size)):
             if enabled:
@@ -643,7 +643,6 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
     LowRankUpdate in the fast LoRA layers;
     with ``triton_kernels`` (train.triton_kernels), mlp_forward's SwiGLU and attention_forward's RoPE run Triton
     kernels on CUDA in eager mode. Per instance: LitGPT's classes stay untouched."""
-    import functools
     import types
 
     from litgpt.lora import LoRALinear, LoRAQKVLinear
@@ -659,11 +658,11 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
                 module.forward = types.MethodType(attention_forward, module)
                 module.triton_kernels = triton_kernels
         if lora and isinstance(module, LoRAQKVLinear):
-            module.forward = types.MethodType(
-                functools.partial(lora_qkv_forward, grads_into_adapters=grad_into_weights), module)
+            module.forward = types.MethodType(lora_qkv_forward, module)
+            module.grads_into_adapters = grad_into_weights
         elif lora and isinstance(module, LoRALinear):
-            module.forward = types.MethodType(
-                functools.partial(lora_linear_forward, grads_into_adapters=grad_into_weights), module)
+            module.forward = types.MethodType(lora_linear_forward, module)
+            module.grads_into_adapters = grad_into_weights
         elif norm and isinstance(module, RMSNorm) and module.dim == -1:
             module.forward = types.MethodType(rms_norm_forward, module)
         elif mixed_linear and type(module) is torch.nn.Linear:

@@ -117,6 +117,7 @@ def test_matmul_lora_qkv_equals_litgpts_conv1d_version(tiny_recipe, targets):
     assert layer.n_head != layer.n_query_groups  # GQA: the uneven split litgpt does with several conv1d calls
     x = torch.randn(2, 7, layer.linear.in_features, requires_grad=True)
     reference = layer(x)
+    layer.grads_into_adapters = False  # as use_fast_layers sets it by default (LowRankUpdate: its own test)
     fast = lora_qkv_forward(layer, x)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-6)
     for wrt in (layer.lora_A, layer.lora_B, x):
@@ -135,6 +136,7 @@ def test_matmul_lora_linear_equals_litgpts_with_its_dropout_draws(tiny_recipe, d
     layer = LoRALinear(24, 40, r=4, lora_alpha=8, lora_dropout=dropout)
     torch.nn.init.normal_(layer.lora_B, std=0.1)
     layer.linear.weight.requires_grad_(False)
+    layer.grads_into_adapters = False
     x = torch.randn(3, 5, 24, requires_grad=True)
     results = {}
     for name, forward in (("litgpt", layer.forward), ("fast", lambda t: lora_linear_forward(layer, t))):
@@ -169,13 +171,14 @@ def test_low_rank_update_adds_the_same_adapter_gradients_as_autograd(tiny_recipe
     adapters = (layer.lora_A, layer.lora_B)
     grads = {}
     for grads_into_adapters in (False, True):
+        layer.grads_into_adapters = grads_into_adapters  # as use_fast_layers sets it
         for p in adapters:
             p.grad = torch.zeros_like(p) if grads_allocated else None
         outputs, input_grads = [], []
         for micro_batch in range(3):
             torch.manual_seed(10 + micro_batch)
             x = torch.randn(2, 7, layer.linear.in_features, requires_grad=True)
-            out = forward(layer, x, grads_into_adapters=grads_into_adapters)
+            out = forward(layer, x)
             (out * torch.linspace(-1, 1, out.shape[-1])).square().sum().backward()
             outputs.append(out.detach())
             input_grads.append(x.grad)
@@ -184,7 +187,7 @@ def test_low_rank_update_adds_the_same_adapter_gradients_as_autograd(tiny_recipe
         for f, r in zip(fast, reference):
             torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # inference: no autograd function
-        assert forward(layer, torch.randn(3, layer.linear.in_features), grads_into_adapters=True).grad_fn is None
+        assert forward(layer, torch.randn(3, layer.linear.in_features)).grad_fn is None
 
 
 def test_matmul_lora_layers_keep_autocasts_dtype():
@@ -194,6 +197,7 @@ def test_matmul_lora_layers_keep_autocasts_dtype():
 
     layer = LoRALinear(16, 8, r=2, lora_alpha=4, lora_dropout=0.0)
     torch.nn.init.normal_(layer.lora_B, std=0.1)
+    layer.grads_into_adapters = False  # -mixed precision keeps autograd's accumulation
     x = torch.randn(2, 3, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast, reference = lora_linear_forward(layer, x), layer(x)
@@ -208,8 +212,8 @@ def test_fast_lora_switch_keeps_litgpts_layers(tiny_recipe):
     use_fast_layers(gpt, lora=False)
     assert "forward" not in vars(gpt.transformer.h[0].attn.qkv) and "forward" not in vars(gpt.transformer.h[0].mlp.fc_1)
     use_fast_layers(gpt)
-    assert vars(gpt.transformer.h[0].attn.qkv)["forward"].__func__.func is lora_qkv_forward
-    assert vars(gpt.transformer.h[0].mlp.fc_1)["forward"].__func__.func is lora_linear_forward
+    assert vars(gpt.transformer.h[0].attn.qkv)["forward"].__func__ is lora_qkv_forward
+    assert vars(gpt.transformer.h[0].mlp.fc_1)["forward"].__func__ is lora_linear_forward
 
 
 def test_chunked_loss_equals_the_whole_loss_with_gradients():
