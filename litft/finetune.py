@@ -182,11 +182,12 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     graphed = use_cuda_graphs(recipe, fabric)
     compiled, compile_why = use_compile(recipe, fabric, config, data.train.stats, graphed)
     grads_in_matmul = recipe.adds_grads_in_matmul and not compiled  # train.grad_into_weights in effect
-    # train.triton_kernels in effect: eager CUDA runs (compiled blocks fuse the same ops through inductor)
-    triton_kernels = (recipe.train.triton_kernels and fabric.device.type == "cuda" and not compiled
-                      and kernels.triton is not None)
+    # train.triton_kernels in effect: on CUDA with Triton installed; SwiGLU's and RoPE's only in eager blocks (compiled
+    # blocks fuse the same ops through inductor), the loss's in either (it runs outside the blocks)
+    triton_loss = recipe.train.triton_kernels and fabric.device.type == "cuda" and kernels.triton is not None
+    triton_layers = triton_loss and not compiled
     if recipe.train.triton_kernels and fabric.device.type == "cuda" and kernels.triton is None:
-        say("speed: train.triton_kernels is on but Triton is not installed: SwiGLU and RoPE run as torch ops")
+        say("speed: train.triton_kernels is on but Triton is not installed: SwiGLU, RoPE and the loss run as torch ops")
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
@@ -205,7 +206,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
                         attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu,
                         mixed_linear=recipe.recasts_mixed_weights,
-                        grad_into_weights=grads_in_matmul, triton_kernels=triton_kernels)
+                        grad_into_weights=grads_in_matmul, triton_kernels=triton_layers)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         if compiled:
@@ -222,9 +223,11 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + (f", -mixed weights {'recast in backward' if recipe.recasts_mixed_weights else 'kept by autocast'}"
                if recipe.precision.endswith("-mixed") else "")
             + (", weight gradients added by the matmul" if grads_in_matmul else "")
-            + (", SwiGLU and RoPE in Triton kernels" if triton_kernels else "")
+            + (", SwiGLU and RoPE in Triton kernels" if triton_layers else "")
+            + (", the loss in a Triton kernel" if triton_loss else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
-        model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled))
+        model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled,
+                                             triton_loss))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
         optimizer_used = optimizer_summary(optimizer)
@@ -348,7 +351,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         result["compile"] = run_compile_stats
         result["optimizer"] = optimizer_used
         result["grad_into_weights"] = grads_in_matmul
-        result["triton_kernels"] = triton_kernels
+        result["triton_kernels"] = {"swiglu_rope": triton_layers, "loss": triton_loss}
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":

@@ -1,5 +1,5 @@
-"""litft.kernels' Triton kernels against the torch functions they replace: SwiGLU (model.SwiGLU's torch path) and
-RoPE (LitGPT's own apply_rope and its autograd gradient), forward and backward, in fp32 (equal to rounding) and bf16
+"""litft.kernels' Triton kernels against the torch functions they replace: SwiGLU (model.SwiGLU's torch path), RoPE
+(LitGPT's own apply_rope and its autograd gradient) and the loss (F.cross_entropy), forward and backward, in fp32 (equal to rounding) and bf16
 (within bf16 rounding). On a CPU-only machine they run in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET); the `gpu` variants run the compiled kernels on CUDA."""
 
@@ -79,6 +79,36 @@ def test_rope_kernel_matches_litgpts_apply_rope(device, dtype, per_row_tables):
         if dtype == torch.float32 else _bf16_close
     check(out, expected)
     check(grad_x, expected_grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_kernels_match_torchs(device, dtype):
+    """model.CrossEntropySum (the kernels through autograd) against F.cross_entropy on the same logits in fp32: the
+    summed loss over labelled positions and its gradient (scaled by an upstream gradient), unlabelled positions
+    (-100) contributing neither; a vocabulary of 5,000 (two loop blocks, the second partly masked)."""
+    import torch.nn.functional as F
+
+    from litft.model import IGNORE_INDEX, CrossEntropySum
+
+    torch.manual_seed(0)
+    logits = (torch.randn(9, 5000, device=device) * 4).to(dtype)
+    labels = torch.randint(0, 5000, (9,), device=device)
+    labels[[2, 7]] = IGNORE_INDEX
+    reference = logits.float().clone().requires_grad_()
+    expected = F.cross_entropy(reference, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (expected * 0.37).backward()
+
+    fused = logits.clone().requires_grad_()
+    loss = CrossEntropySum.apply(fused * 1, labels)  # * 1: a non-leaf, as the output layer's logits are
+    (loss * 0.37).backward()
+    assert loss.dtype == torch.float32 and fused.grad.dtype == dtype
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-4)
+    assert (fused.grad[[2, 7]] == 0).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused.grad, reference.grad, rtol=1e-5, atol=1e-7)
+    else:  # the gradient rounded to bf16 once; softmax values are at most 1
+        torch.testing.assert_close(fused.grad.float(), reference.grad, rtol=1e-2, atol=2e-3)
 
 
 def test_kernels_take_only_cuda_tensors():
