@@ -29,6 +29,11 @@ PROFILE = ["--logging.profile", "8-9", "--logging.interval", "1"]
 PLAIN = ["--train.cuda_graphs", "never", "--train.compile", "never"]  # eager, launched op by op
 
 
+# A run of session 11's code: its litft/ and recipes/ folders at out/prev (see the set s12-tiny), instead of this
+# checkout on the path (PYTHONSAFEPATH: python -m puts no working directory first); the carried wheels stay first.
+PREVIOUS = {"PYTHONPATH": "/tmp/site:out/prev", "PYTHONSAFEPATH": "1"}  # safe path: no cwd first on sys.path
+
+
 def steps(n: int) -> list[str]:
     return ["--train.max_steps", str(n)]
 
@@ -354,6 +359,23 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
                                                                  "--train.grad_into_weights", "false"]),
         ("full", "tiny-llama-full", GPU + steps(24)),
         ("full-torch-ops", "tiny-llama-full", GPU + steps(24) + ["--train.triton_kernels", "false"]),
+    ],
+    # Issue 5, session 12, side by side in one call: session 11's code (the litft and recipes folders of commit
+    # 4605f73, carried to the GPU machine as out/prev: `git archive 4605f73 litft recipes | tar -x -C out/prev`)
+    # against this session's defaults (Triton kernels for SwiGLU, RoPE and the loss; LoRA adapters' gradients added
+    # by the matmuls), each change off alone, and the whole loss at once (loss_chunk 0) now that it keeps 16-bit
+    # logits only.
+    "s12-tiny": [
+        ("lora-s11", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("lora-torch-ops", "tiny-llama-lora", GPU + steps(30) + ["--train.triton_kernels", "false"]),
+        ("lora-whole-loss", "tiny-llama-lora", GPU + steps(30) + ["--train.loss_chunk", "0"]),
+        ("full-s11", "tiny-llama-full", GPU + steps(24), PREVIOUS),
+        ("full", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21"]),
+        ("full-torch-ops", "tiny-llama-full", GPU + steps(24) + ["--train.triton_kernels", "false"]),
+        ("full-whole-loss", "tiny-llama-full", GPU + steps(24) + ["--train.loss_chunk", "0"]),
+        ("qlora-s11", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
