@@ -361,7 +361,8 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-torch-ops", "tiny-llama-full", GPU + steps(24) + ["--train.triton_kernels", "false"]),
     ],
     # Issue 5, session 12, side by side in one call: session 11's code (the litft and recipes folders of commit
-    # 4605f73, carried to the GPU machine as out/prev: `git archive 4605f73 litft recipes | tar -x -C out/prev`)
+    # 4605f73, carried to the GPU machine as out/prev: `git archive 4605f73 litft recipes | tar -x -C out/prev`, less
+    # the demo weights and corpus, litft/assets/demo/{model/lit_model.pth,pretrain.txt}, to keep the carry under 64 MiB)
     # against this session's defaults (Triton kernels for SwiGLU, RoPE and the loss; LoRA adapters' gradients added
     # by the matmuls), each change off alone, and the whole loss at once (loss_chunk 0) now that it keeps 16-bit
     # logits only.
