@@ -448,14 +448,17 @@ def estimate_memory(
         act_detail = f"{tokens:,} tokens x {config.n_layer} blocks x {per_token_layer:,} B/token/block (traced, {how})"
     parts.append(Part("activations", acts / GIB, act_detail))
 
-    # the loss: lm_head output in the compute dtype, its fp32 upcast, log-softmax saved for the backward pass, and
-    # the logits' gradient: 2 + 4 + 4 + 2 bytes per (position x vocabulary entry), for one chunk of the loss at a
-    # time (train.loss_chunk; each chunk's logits are recomputed in the backward pass)
+    # the loss, one chunk of positions at a time (train.loss_chunk; each chunk's logits are recomputed in the backward
+    # pass): with train.triton_kernels (a CUDA run's default), the lm_head output in the compute dtype, its gradient
+    # written over it (model.CrossEntropySum): compute-dtype bytes per (position x vocabulary entry); with torch's
+    # cross-entropy, the output, its fp32 upcast, log-softmax saved for the backward pass, and the logits' gradient:
+    # 2 + 4 + 4 + 2 bytes
     vocab = config.padded_vocab_size
     chunk = min(tokens, recipe.train.loss_chunk) if recipe.train.loss_chunk > 0 else tokens
-    loss_bytes = chunk * vocab * (2 * compute_bytes + 4 + 4)
-    parts.append(Part("logits and loss", loss_bytes / GIB,
-                      f"{chunk:,} positions (one loss chunk) x {vocab:,} vocab x {2 * compute_bytes + 8} B"))
+    per_logit = compute_bytes if recipe.train.triton_kernels else 2 * compute_bytes + 4 + 4
+    parts.append(Part("logits and loss", chunk * vocab * per_logit / GIB,
+                      f"{chunk:,} positions (one loss chunk) x {vocab:,} vocab x {per_logit} B"
+                      + (" (Triton cross-entropy)" if recipe.train.triton_kernels else "")))
 
     allocated = sum(p.gib for p in parts)
     total = allocated * ALLOCATOR_OVERHEAD
