@@ -187,7 +187,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     triton_loss = recipe.train.triton_kernels and fabric.device.type == "cuda" and kernels.triton is not None
     triton_layers = triton_loss and not compiled
     if recipe.train.triton_kernels and fabric.device.type == "cuda" and kernels.triton is None:
-        say("speed: train.triton_kernels is on but Triton is not installed: SwiGLU, RoPE and the loss run as torch ops")
+        say("speed: train.triton_kernels is on but Triton is not installed: torch ops run instead")
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
@@ -223,7 +223,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + (f", -mixed weights {'recast in backward' if recipe.recasts_mixed_weights else 'kept by autocast'}"
                if recipe.precision.endswith("-mixed") else "")
             + (", weight gradients added by the matmul" if grads_in_matmul else "")
-            + (", SwiGLU and RoPE in Triton kernels" if triton_layers else "")
+            + (", SwiGLU, RoPE and LoRA dropout in Triton kernels" if triton_layers else "")
             + (", the loss in a Triton kernel" if triton_loss else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled,

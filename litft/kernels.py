@@ -1,5 +1,6 @@
-"""Triton kernels for the elementwise parts of a Llama block that eager PyTorch runs as several kernels: SwiGLU and
-RoPE, forward and backward (train.triton_kernels). Each reads its inputs once and writes its outputs once, in fp32
+"""Triton kernels for the parts of a training step that eager PyTorch runs as several kernels or with more memory
+traffic than they need: SwiGLU, RoPE, the cross-entropy loss and LoRA's dropout, forward and backward
+(train.triton_kernels). Each reads its inputs once and writes its outputs once, in fp32
 arithmetic rounded once to the output dtype.
 
 Why: in an eager step every torch op is its own kernel, and each reads and writes whole activations. SwiGLU's
@@ -128,6 +129,32 @@ if triton is not None:
             x = tl.load(row_logits + columns, mask=inside).to(tl.float32)
             grad = (tl.exp(x - lse) - tl.where(columns == label, 1.0, 0.0)) * scale
             tl.store(row_logits + columns, grad.to(logits_ptr.dtype.element_ty), mask=inside)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dropout_kernel(x_ptr, out_ptr, seed_ptr, n, p, scale, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
+        keep = tl.rand(tl.load(seed_ptr), offsets) >= p  # uniform in [0, 1): kept with probability 1 - p
+        tl.store(out_ptr + offsets, tl.where(keep, x * scale, 0.0).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """x with each element zeroed with probability p and the rest scaled by 1 / (1 - p), the mask drawn from Philox
+    random numbers of ``seed`` (a 1-element int64 tensor, read on the device) and each element's index: the same
+    seed gives the same mask, so the backward pass (the same map: a diagonal of 0 and 1 / (1 - p)) needs the seed,
+    not a mask."""
+    x = x.contiguous()
+    n = x.numel()
+    if n >= 2**31:  # Philox counters are 32-bit here
+        raise ValueError(f"dropout kernel: {n:,} elements, over 2^31")
+    out = torch.empty_like(x)
+    _dropout_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](x, out, seed, n, p, 1.0 / (1.0 - p), BLOCK=_SWIGLU_BLOCK,
+                                                      num_warps=8)
+    return out
 
 
 # vocabulary columns per loop iteration of the loss kernels: 32,000-entry vocabularies take 8 iterations

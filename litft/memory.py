@@ -196,7 +196,7 @@ def activation_bytes_per_token_layer(
     compiled = assumes_compiled(recipe, compiled)
     key = repr((_TRACE_VERSION, repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets),
                 recipe.lora.dropout, compiled, recipe.train.fast_lora, recipe.train.fused_rms_norm, recipe.train.fast_attention,
-                recipe.train.lean_swiglu, torch.__version__))
+                recipe.train.lean_swiglu, recipe.train.triton_kernels, torch.__version__))
     if key not in _TRACE_CACHE:
         _TRACE_CACHE.update(_load_disk_cache())
     if key not in _TRACE_CACHE and cached_only:
@@ -263,6 +263,25 @@ def _rms_norm_as_on_cuda(self, x: torch.Tensor) -> torch.Tensor:
     return _RMSNormAsOnCuda.apply(x, rms_norm_weight(self), self.eps)
 
 
+class _SeededDropoutAsOnCuda(torch.autograd.Function):
+    """The eager trace's stand-in for model.SeededDropout (train.triton_kernels on CUDA): torch's dropout, keeping
+    what the Triton kernel keeps for its backward pass, a seed, and not torch's 1-byte mask per element."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        ctx.save_for_backward(torch.zeros(1, dtype=torch.int64))
+        return torch.nn.functional.dropout(x, p)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
+        raise NotImplementedError("_SeededDropoutAsOnCuda is for counting saved tensors only")
+
+
+class _SeededDropoutModule(torch.nn.Dropout):
+    def forward(self, x):
+        return _SeededDropoutAsOnCuda.apply(x, self.p) if self.training else x
+
+
 def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
     """One block of the recipe's architecture on the CPU with uninitialised weights, and inputs for `tokens`, with
     the layers the run uses (model.use_fast_layers; for an eager trace, rms_norm as it behaves on CUDA)."""
@@ -295,6 +314,12 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
         for module in block.modules():
             if isinstance(module, RMSNorm) and "forward" in vars(module):
                 module.forward = types.MethodType(_rms_norm_as_on_cuda, module)
+    if recipe.train.triton_kernels and recipe.train.fast_lora and not compiled:
+        from litgpt.lora import LoRALayer
+
+        for module in block.modules():  # the fast LoRA layers' dropout as on CUDA (model.SeededDropout)
+            if isinstance(module, LoRALayer) and isinstance(module.lora_dropout, torch.nn.Dropout):
+                module.lora_dropout = _SeededDropoutModule(module.lora_dropout.p)
     block.train()
     # the residual stream has the embedding's dtype: the parameters' (fp32 under -mixed, where each norm then keeps
     # an fp32 input for the backward pass; a 16-bit stand-in undercounted that and kept rms_norm from its fused path)

@@ -561,23 +561,53 @@ class LowRankUpdate(torch.autograd.Function):
         return grad if ctx.needs_input_grad[0] else None, grad_dropped, None, None, None, None
 
 
+class SeededDropout(torch.autograd.Function):
+    """LoRA's dropout as one Triton kernel (kernels.dropout, train.triton_kernels) that keeps a seed, not a mask: the
+    backward pass draws the same mask again from it. torch's dropout keeps a 1-byte mask per element (TinyLlama LoRA:
+    13.6 KB per token and block, 0.6 GiB at 2,048 positions) and writes and reads it. The seed comes from torch's
+    generator on the device, so each call, and each replay of a captured CUDA graph, draws a new mask. The same
+    distribution as torch's dropout, not the same draws."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
+        seed = torch.randint(2**62, (1,), device=x.device)
+        ctx.save_for_backward(seed)
+        ctx.p = p
+        return kernels.dropout(x, p, seed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (seed,) = ctx.saved_tensors
+        return kernels.dropout(grad, ctx.p, seed), None
+
+
+def _lora_dropout(self, rows: torch.Tensor) -> torch.Tensor:
+    """The adapter's dropout: SeededDropout where train.triton_kernels applies, else the layer's own nn.Dropout."""
+    dropout = self.lora_dropout
+    if (self.triton_kernels and isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0
+            and kernels.available(rows)):
+        return SeededDropout.apply(rows, dropout.p)
+    return dropout(rows)
+
+
 def lora_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LoRALinear.forward as W x + B (s A dropout(x)): the scale s = alpha / r multiplies the r-wide product, not the
     layer's output, and the matmul with B adds into W x in place. The same function as LitGPT's
     ``W x + (dropout(x) A^T B^T) s``. Per adapted layer it saves the scale's multiply and the add over the whole
     output (TinyLlama's adapted layers write 17,920 outputs per token and block: q, k, v 2,560, proj 2,048, fc_1 and
     fc_2 5,632 each, mlp proj 2,048), forward and backward. With ``self.grads_into_adapters`` (set by
-    use_fast_layers from train.grad_into_weights) the adapters run as LowRankUpdate."""
+    use_fast_layers from train.grad_into_weights) the adapters run as LowRankUpdate; with ``self.triton_kernels``
+    the dropout as SeededDropout."""
     if self.r == 0 or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])  # 2-D from the start: the in-place add acts on a matmul output, not a view
     pretrained = self.linear(rows)
     if self.grads_into_adapters and torch.is_grad_enabled():
         everything = slice(None)
-        out = LowRankUpdate.apply(pretrained, self.lora_dropout(rows), self.lora_A, self.lora_B, self.scaling,
+        out = LowRankUpdate.apply(pretrained, _lora_dropout(self, rows), self.lora_A, self.lora_B, self.scaling,
                                   ((everything, everything, everything),))
         return out.view(*x.shape[:-1], -1)
-    after_a = F.linear(self.lora_dropout(rows), self.lora_A) * self.scaling  # (tokens, r): the scale costs nothing
+    after_a = F.linear(_lora_dropout(self, rows), self.lora_A) * self.scaling  # (tokens, r): the scale costs nothing
     return _add_low_rank(pretrained, after_a, self.lora_B).view(*x.shape[:-1], -1)
 
 
@@ -602,10 +632,10 @@ def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
                               slice(a_column, a_column + self.r)))
                 b_row, a_column = b_row + size, a_column + self.r
             column += size
-        out = LowRankUpdate.apply(pretrained, self.lora_dropout(rows), self.lora_A, self.lora_B, self.scaling,
+        out = LowRankUpdate.apply(pretrained, _lora_dropout(self, rows), self.lora_A, self.lora_B, self.scaling,
                                   tuple(parts))
         return out.view(*x.shape[:-1], -1)
-    after_a = F.linear(self.lora_dropout(rows), self.lora_A) * self.scaling  # (tokens, r x adapted)
+    after_a = F.linear(_lora_dropout(self, rows), self.lora_A) * self.scaling  # (tokens, r x adapted)
     adapted = sum(self.enable_lora)
     parts = iter(self.lora_B.split(self.qkv_shapes, dim=0))
     blocks, column = [], 0
@@ -641,8 +671,8 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
     included; bitsandbytes' 4-bit layers, a subclass, keep theirs); with ``grad_into_weights``
     (train.grad_into_weights, -true precision on one device), grad_into_weight_forward in every plain nn.Linear and
     LowRankUpdate in the fast LoRA layers;
-    with ``triton_kernels`` (train.triton_kernels), mlp_forward's SwiGLU and attention_forward's RoPE run Triton
-    kernels on CUDA in eager mode. Per instance: LitGPT's classes stay untouched."""
+    with ``triton_kernels`` (train.triton_kernels), mlp_forward's SwiGLU, attention_forward's RoPE and the fast LoRA
+    layers' dropout run Triton kernels on CUDA in eager mode. Per instance: LitGPT's classes stay untouched."""
     import types
 
     from litgpt.lora import LoRALinear, LoRAQKVLinear
@@ -659,10 +689,10 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
                 module.triton_kernels = triton_kernels
         if lora and isinstance(module, LoRAQKVLinear):
             module.forward = types.MethodType(lora_qkv_forward, module)
-            module.grads_into_adapters = grad_into_weights
+            module.grads_into_adapters, module.triton_kernels = grad_into_weights, triton_kernels
         elif lora and isinstance(module, LoRALinear):
             module.forward = types.MethodType(lora_linear_forward, module)
-            module.grads_into_adapters = grad_into_weights
+            module.grads_into_adapters, module.triton_kernels = grad_into_weights, triton_kernels
         elif norm and isinstance(module, RMSNorm) and module.dim == -1:
             module.forward = types.MethodType(rms_norm_forward, module)
         elif mixed_linear and type(module) is torch.nn.Linear:

@@ -117,7 +117,7 @@ def test_matmul_lora_qkv_equals_litgpts_conv1d_version(tiny_recipe, targets):
     assert layer.n_head != layer.n_query_groups  # GQA: the uneven split litgpt does with several conv1d calls
     x = torch.randn(2, 7, layer.linear.in_features, requires_grad=True)
     reference = layer(x)
-    layer.grads_into_adapters = False  # as use_fast_layers sets it by default (LowRankUpdate: its own test)
+    layer.grads_into_adapters = layer.triton_kernels = False  # as use_fast_layers sets them on a CPU run
     fast = lora_qkv_forward(layer, x)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-6)
     for wrt in (layer.lora_A, layer.lora_B, x):
@@ -136,7 +136,7 @@ def test_matmul_lora_linear_equals_litgpts_with_its_dropout_draws(tiny_recipe, d
     layer = LoRALinear(24, 40, r=4, lora_alpha=8, lora_dropout=dropout)
     torch.nn.init.normal_(layer.lora_B, std=0.1)
     layer.linear.weight.requires_grad_(False)
-    layer.grads_into_adapters = False
+    layer.grads_into_adapters = layer.triton_kernels = False
     x = torch.randn(3, 5, 24, requires_grad=True)
     results = {}
     for name, forward in (("litgpt", layer.forward), ("fast", lambda t: lora_linear_forward(layer, t))):
@@ -171,7 +171,7 @@ def test_low_rank_update_adds_the_same_adapter_gradients_as_autograd(tiny_recipe
     adapters = (layer.lora_A, layer.lora_B)
     grads = {}
     for grads_into_adapters in (False, True):
-        layer.grads_into_adapters = grads_into_adapters  # as use_fast_layers sets it
+        layer.grads_into_adapters, layer.triton_kernels = grads_into_adapters, False  # as use_fast_layers sets them
         for p in adapters:
             p.grad = torch.zeros_like(p) if grads_allocated else None
         outputs, input_grads = [], []
@@ -197,7 +197,7 @@ def test_matmul_lora_layers_keep_autocasts_dtype():
 
     layer = LoRALinear(16, 8, r=2, lora_alpha=4, lora_dropout=0.0)
     torch.nn.init.normal_(layer.lora_B, std=0.1)
-    layer.grads_into_adapters = False  # -mixed precision keeps autograd's accumulation
+    layer.grads_into_adapters = layer.triton_kernels = False  # -mixed precision keeps autograd's accumulation
     x = torch.randn(2, 3, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast, reference = lora_linear_forward(layer, x), layer(x)

@@ -111,6 +111,47 @@ def test_cross_entropy_kernels_match_torchs(device, dtype):
         torch.testing.assert_close(fused.grad.float(), reference.grad, rtol=1e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_dropout_draws_its_mask_again_from_the_seed(device):
+    """kernels.dropout: about p of the elements zeroed, the rest scaled by 1 / (1 - p); the same seed, the same mask
+    (so model.SeededDropout's backward pass applies the forward's mask); another seed, another mask."""
+    from litft.model import SeededDropout
+
+    x = torch.rand(64, 100, device=device) + 0.5  # no zeros of its own
+    seed = torch.tensor([1234], device=device)
+    out = kernels.dropout(x, 0.25, seed)
+    dropped = out == 0
+    assert 0.2 < dropped.float().mean().item() < 0.3
+    torch.testing.assert_close(out[~dropped], x[~dropped] / 0.75)
+    assert torch.equal(kernels.dropout(x, 0.25, seed), out)
+    assert not torch.equal(kernels.dropout(x, 0.25, seed + 1) == 0, dropped)
+
+    leaf = x.clone().requires_grad_()
+    y = SeededDropout.apply(leaf * 1, 0.25)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(leaf.grad == 0, y == 0)  # the gradient passes exactly where the forward kept
+    torch.testing.assert_close(leaf.grad[y != 0], torch.full_like(leaf.grad[y != 0], 1 / 0.75))
+
+
+@pytest.mark.gpu
+def test_seeded_dropout_draws_a_new_mask_in_each_cuda_graph_replay():
+    """The seed is drawn from torch's generator inside the graph, which advances with each replay: a captured step
+    does not repeat its dropout masks."""
+    from litft.model import SeededDropout
+
+    x = torch.ones(4096, device="cuda")
+    SeededDropout.apply(x, 0.5)  # Triton compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = SeededDropout.apply(x, 0.5)
+    masks = []
+    for _ in range(3):
+        graph.replay()
+        masks.append(out == 0)
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    assert all(0.4 < m.float().mean().item() < 0.6 for m in masks)
+
+
 def test_kernels_take_only_cuda_tensors():
     """On CPU tensors model.SwiGLU and model.RotaryEmbedding run their torch ops even when asked for the kernels."""
     a = torch.randn(4, 8)
