@@ -378,6 +378,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-s11", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
         ("qlora", "tiny-llama-qlora", GPU + steps(30)),
     ],
+    # Issue 5, session 12, call 3: the code of call 2 (commit b536915, carried as out/prev the same way) beside this
+    # one's (LoRA dropout as a seeded Triton kernel; the residual adds fused into the norms), and the whole loss at once.
+    "s12b-tiny": [
+        ("lora-call2", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("full-call2", "tiny-llama-full", GPU + steps(24), PREVIOUS),
+        ("full", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21"]),
+        ("full-whole-loss", "tiny-llama-full", GPU + steps(24) + ["--train.loss_chunk", "0"]),
+        ("qlora-call2", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -30,6 +30,7 @@ from litft.model import (
     compile_blocks,
     count_parameters,
     fast_path_problems,
+    fuses_residual_norms,
     use_fast_layers,
     merge_lora_checkpoint,
     model_config,
@@ -224,10 +225,14 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
                if recipe.precision.endswith("-mixed") else "")
             + (", weight gradients added by the matmul" if grads_in_matmul else "")
             + (", SwiGLU, RoPE and LoRA dropout in Triton kernels" if triton_layers else "")
+            + (", residual adds fused into the norms" if fused_residual_norms else "")
             + (", the loss in a Triton kernel" if triton_loss else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
+        # the residual adds fused into the norms: eager blocks that are still LitGPT's own (not checkpoint-wrapped)
+        fused_residual_norms = (triton_layers and recipe.train.fused_rms_norm
+                                and not recipe.train.activation_checkpointing and fuses_residual_norms(gpt))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled,
-                                             triton_loss))
+                                             triton_loss, fused_residual_norms))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
         optimizer_used = optimizer_summary(optimizer)
@@ -351,7 +356,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         result["compile"] = run_compile_stats
         result["optimizer"] = optimizer_used
         result["grad_into_weights"] = grads_in_matmul
-        result["triton_kernels"] = {"swiglu_rope": triton_layers, "loss": triton_loss}
+        result["triton_kernels"] = {"swiglu_rope": triton_layers, "loss": triton_loss,
+                                    "residual_norms": fused_residual_norms}
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":

@@ -648,6 +648,45 @@ def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _add_low_rank(pretrained, after_a, torch.cat(blocks, dim=0)).view(*x.shape[:-1], -1)
 
 
+class AddRMSNorm(torch.autograd.Function):
+    """The residual stream's add and the next RMSNorm as one Triton kernel each way (kernels.add_rms_norm, with
+    train.triton_kernels): returns (residual + delta, rms_norm(residual + delta) x weight). In eager torch the add
+    and the norm are a kernel each forward, and backward the norm's input gradient, its weight gradient and the add
+    of the stream's gradient are three: each pass reads or writes a (tokens x hidden) tensor that the fused kernel
+    keeps in registers. Keeps what the two ops keep: the new residual (the norm's input) and one fp32 scale per row."""
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        new_residual, out, rstd = kernels.add_rms_norm(residual, delta, weight, eps)
+        ctx.save_for_backward(new_residual, weight, rstd)
+        ctx.set_materialize_grads(False)  # the last norm's new residual feeds nothing: no zeros to read
+        return new_residual, out
+
+    @staticmethod
+    def backward(ctx, grad_residual: torch.Tensor | None, grad_out: torch.Tensor | None):
+        new_residual, weight, rstd = ctx.saved_tensors
+        if grad_out is None:  # pragma: no cover - the normed output always feeds a layer
+            return grad_residual, grad_residual, None, None
+        grad_in, grad_weight = kernels.add_rms_norm_backward(grad_out, grad_residual, new_residual, weight, rstd,
+                                                             weight_grad=ctx.needs_input_grad[2])
+        return grad_in, grad_in, grad_weight, None
+
+
+def fuses_residual_norms(gpt: torch.nn.Module) -> bool:
+    """Whether hidden() can run the model as AddRMSNorm + attention + AddRMSNorm + MLP per block: every block a
+    sequential-residual one with RMSNorm before attention and MLP and no post-norms, and an RMSNorm at the end."""
+    from litgpt.model import Block, RMSNorm
+
+    def rms(norm) -> bool:
+        return isinstance(norm, RMSNorm) and norm.dim == -1
+
+    blocks = gpt.transformer.h
+    return rms(gpt.transformer.ln_f) and all(
+        type(b).forward is Block.forward and not b.config.parallel_residual and rms(b.norm_1) and rms(b.norm_2)
+        and isinstance(b.post_attention_norm, torch.nn.Identity) and isinstance(b.post_mlp_norm, torch.nn.Identity)
+        for b in blocks)
+
+
 def rms_norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     """The scale a LitGPT RMSNorm multiplies by: its weight, or 1 + weight with add_unit_offset (Gemma)."""
     return (1 + norm.weight) if norm.add_unit_offset else norm.weight
@@ -711,13 +750,16 @@ class CausalLM(torch.nn.Module):
     """
 
     def __init__(self, gpt: torch.nn.Module, loss_chunk: int, max_seq_length: int, compiled: bool = False,
-                 triton_kernels: bool = False) -> None:
+                 triton_kernels: bool = False, fused_residual_norms: bool = False) -> None:
         super().__init__()
         self.gpt = gpt
         self.loss_chunk = loss_chunk
         self.compiled = compiled
         self.triton_kernels = triton_kernels
         """The loss as litft.kernels' cross-entropy (train.triton_kernels) on CUDA: :class:`CrossEntropySum`."""
+        self.fused_residual_norms = fused_residual_norms
+        """hidden() runs each block's residual adds and the norms after them as :class:`AddRMSNorm` on CUDA (eager
+        blocks, train.triton_kernels, and a model where :func:`fuses_residual_norms`); else each block's forward."""
         """The blocks are torch.compile'd (:func:`compile_blocks`): hidden() then keeps them to one compiled graph."""
         # Flash attention's varlen kernel sizes its grid by this bound and leaves any position past it in a segment
         # unwritten (garbage that reaches the weight gradients as inf/nan through the zero-loss padding). It must
@@ -748,9 +790,25 @@ class CausalLM(torch.nn.Module):
             # to it, and the next length compiles again (seen on the H100: 4 graphs where 1 does).
             for tensor in (x, cos, sin):
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        if self.fused_residual_norms and kernels.available(x):
+            return self._hidden_fused(x, cos, sin, packed)
         for block in gpt.transformer.h:
             x = block(x, cos, sin, packed)
         return gpt.transformer.ln_f(x)
+
+    def _hidden_fused(self, x, cos, sin, packed: Packed | None) -> torch.Tensor:
+        """LitGPT's Block.forward for sequential-residual blocks, x + attn(norm_1(x)) then + mlp(norm_2(.)), with
+        each add fused into the norm that follows it (the next block's norm_1, or ln_f after the last block)."""
+        blocks = self.gpt.transformer.h
+        normed = blocks[0].norm_1(x)
+        residual = x
+        for i, block in enumerate(blocks):
+            attention = block.attn(normed, cos, sin, packed)
+            residual, normed = AddRMSNorm.apply(residual, attention, rms_norm_weight(block.norm_2), block.norm_2.eps)
+            mlp = block.mlp(normed)
+            following = blocks[i + 1].norm_1 if i + 1 < len(blocks) else self.gpt.transformer.ln_f
+            residual, normed = AddRMSNorm.apply(residual, mlp, rms_norm_weight(following), following.eps)
+        return normed
 
     def forward(self, input_ids, labels, positions=None, cu_seqlens=None):
         packed = Packed(cu_seqlens, self.max_seq_length) if cu_seqlens is not None else None

@@ -39,7 +39,7 @@ def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
     assert r["optimizer"] == {"class": "torch.optim.adamw.AdamW", "implementation": "fused",
                               "clipping": "norm only; the fused step divides"}
     assert r["grad_into_weights"] is True
-    assert r["triton_kernels"] == {"swiglu_rope": True, "loss": True}
+    assert r["triton_kernels"] == {"swiglu_rope": True, "loss": True, "residual_norms": True}
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "nf4-dq", "fp4"])
@@ -104,14 +104,15 @@ def test_fast_attention_and_litgpts_attention_train_alike_on_cuda(tiny_recipe, t
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_triton_kernels_and_torch_ops_train_alike_on_cuda(tiny_recipe, tmp_path, method):
-    """train.triton_kernels on and off (SwiGLU, RoPE and the loss as Triton kernels or torch ops, inside CUDA graphs)
-    give the same losses within bf16 rounding, step by step and on the validation set."""
+    """train.triton_kernels on and off (SwiGLU, RoPE, the loss and the residual adds with the norms as Triton kernels,
+    or torch ops; inside CUDA graphs) give the same losses within bf16 rounding, step by step and on the validation
+    set."""
     common = dict(method=method, lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "k", "v", "o", "mlp"]},
                   eval={"initial": False, "final": True, "interval": 0})
     runs = [litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / str(fused)),
                                        train={"compile": "never", "triton_kernels": fused}))
             for fused in (True, False)]
-    assert [r.result["triton_kernels"]["swiglu_rope"] for r in runs] == [True, False]
+    assert [r.result["triton_kernels"]["residual_norms"] for r in runs] == [True, False]
     rows = [step_losses(r) for r in runs]
     assert len(rows[0]) == len(rows[1]) == 4
     assert rows[0] == pytest.approx(rows[1], rel=2e-2)

@@ -152,6 +152,78 @@ def test_seeded_dropout_draws_a_new_mask_in_each_cuda_graph_replay():
     assert all(0.4 < m.float().mean().item() < 0.6 for m in masks)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stream_gradient", [True, False], ids=["stream-grad", "last-norm"])
+def test_add_rms_norm_matches_an_add_and_torchs_rms_norm(device, dtype, stream_gradient):
+    """model.AddRMSNorm against residual + delta then F.rms_norm: both outputs, and the gradients of residual, delta
+    and the weight, with the new residual feeding later layers (its gradient added in) or nothing (the last norm).
+    A hidden size of 48 (masked columns in a block of 64) and 7 rows over 4 programs (one does fewer)."""
+    import torch.nn.functional as F
+
+    from litft.model import AddRMSNorm
+
+    torch.manual_seed(0)
+    residual, delta = torch.randn(7, 48, device=device), torch.randn(7, 48, device=device)
+    weight = torch.rand(48, device=device) + 0.5
+    grad_out, grad_stream = torch.randn(7, 48, device=device), torch.randn(7, 48, device=device)
+
+    def run(fused: bool):
+        leaves = [t.to(dtype).requires_grad_() for t in (residual, delta, weight)]
+        r, d, w = leaves
+        if fused:
+            new_residual, out = AddRMSNorm.apply(r * 1, d * 1, w, 1e-5)
+        else:
+            new_residual = r + d
+            out = F.rms_norm(new_residual, (48,), w, 1e-5)
+        loss = (out * grad_out.to(dtype)).sum()
+        if stream_gradient:
+            loss = loss + (new_residual * grad_stream.to(dtype)).sum()
+        loss.backward()
+        return [new_residual.detach(), out.detach()] + [t.grad for t in leaves]
+
+    for actual, expected in zip(run(True), run(False)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        else:
+            _bf16_close(actual, expected)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_fused_residual_norms_give_the_blocks_loss_and_gradients(tiny_recipe, monkeypatch, method):
+    """CausalLM with fused_residual_norms (each residual add fused into the norm after it, the last into ln_f)
+    computes what LitGPT's Block.forward computes: the same loss and gradients of every trainable weight (the norm
+    weights among them in a full fine-tune), fp32, on a packed batch. On the CPU the kernels run in Triton's
+    interpreter: kernels.available is made to say yes."""
+    import copy
+
+    from litft.data import collate_packed
+    from litft.model import CausalLM, fuses_residual_norms, model_config, use_fast_layers
+    from tests.test_fast_path import _loss_and_grads, _lora_gpt, _samples
+
+    if method == "lora":
+        gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
+    else:
+        from litgpt.model import GPT
+
+        torch.manual_seed(0)
+        gpt = GPT(model_config(tiny_recipe(method="full")))
+    use_fast_layers(gpt)
+    assert fuses_residual_norms(gpt)
+    reference = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
+    fused = CausalLM(gpt, loss_chunk=0, max_seq_length=64, fused_residual_norms=True)
+    monkeypatch.setattr(kernels, "available", lambda x: True)
+    batch = collate_packed(_samples([20, 30, 9]), pad_id=0)
+    loss, grads = _loss_and_grads(fused, batch)
+    loss_ref, grads_ref = _loss_and_grads(reference, batch)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads_ref.keys() and grads
+    if method == "full":
+        assert any("norm" in name or "ln_f" in name for name in grads)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_kernels_take_only_cuda_tensors():
     """On CPU tensors model.SwiGLU and model.RotaryEmbedding run their torch ops even when asked for the kernels."""
     a = torch.randn(4, 8)
