@@ -210,6 +210,9 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
                         grad_into_weights=grads_in_matmul, triton_kernels=triton_layers)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
+        # the residual adds fused into the norms: eager blocks that are still LitGPT's own (not checkpoint-wrapped)
+        fused_residual_norms = (triton_layers and recipe.train.fused_rms_norm
+                                and not recipe.train.activation_checkpointing and fuses_residual_norms(gpt))
         if compiled:
             compile_blocks(gpt)
         graphs_before = compile_stats()  # the ledger's trace above compiles too: count only the run's own graphs
@@ -228,9 +231,6 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             + (", residual adds fused into the norms" if fused_residual_norms else "")
             + (", the loss in a Triton kernel" if triton_loss else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
-        # the residual adds fused into the norms: eager blocks that are still LitGPT's own (not checkpoint-wrapped)
-        fused_residual_norms = (triton_layers and recipe.train.fused_rms_norm
-                                and not recipe.train.activation_checkpointing and fuses_residual_norms(gpt))
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled,
                                              triton_loss, fused_residual_norms))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
