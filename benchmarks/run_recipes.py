@@ -390,6 +390,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora", "tiny-llama-qlora", GPU + steps(30)),
         ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
     ],
+    # Issue 5, session 12: compiled blocks (inductor's fusion; autograd's gradient accumulation; the Triton loss)
+    # against eager blocks with the Triton kernels, for `compile: auto`'s choice.
+    "compile-s12": [
+        ("full-eager", "tiny-llama-full", GPU + steps(24)),
+        ("full-compiled", "tiny-llama-full", GPU + steps(24) + ["--train.compile", "always"]),
+        ("lora-eager", "tiny-llama-lora", GPU + steps(30)),
+        ("lora-compiled", "tiny-llama-lora", GPU + steps(30) + ["--train.compile", "always"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
