@@ -34,6 +34,10 @@ PLAIN = ["--train.cuda_graphs", "never", "--train.compile", "never"]  # eager, l
 PREVIOUS = {"PYTHONPATH": "/tmp/site:out/prev", "PYTHONSAFEPATH": "1"}  # safe path: no cwd first on sys.path
 
 
+# A run of an altered copy of this checkout at out/ab (see the set dropout-ab), the same way.
+AB = {"PYTHONPATH": "/tmp/site:out/ab", "PYTHONSAFEPATH": "1"}
+
+
 def steps(n: int) -> list[str]:
     return ["--train.max_steps", str(n)]
 
@@ -397,6 +401,16 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-compiled", "tiny-llama-full", GPU + steps(24) + ["--train.compile", "always"]),
         ("lora-eager", "tiny-llama-lora", GPU + steps(30)),
         ("lora-compiled", "tiny-llama-lora", GPU + steps(30) + ["--train.compile", "always"]),
+    ],
+    # Issue 5, session 12: LoRA's dropout as the seeded Triton kernel (4 uniforms per Philox call) against torch's
+    # dropout, everything else equal: out/ab is this checkout's litft/ and recipes/ with SeededDropout switched off
+    # (made by the command in results/call-s12.log, carried like out/prev).
+    "dropout-ab": [
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("lora-torch-dropout", "tiny-llama-lora", GPU + steps(30), AB),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("qlora-torch-dropout", "tiny-llama-qlora", GPU + steps(30), AB),
+        ("lora-again", "tiny-llama-lora", GPU + steps(30)),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
