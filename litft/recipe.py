@@ -232,11 +232,14 @@ class TrainConfig:
     disk); compiled blocks fuse SwiGLU and RoPE themselves (the loss's kernel runs either way), and CPU runs or an
     install without Triton use the torch ops. false: the torch ops, for comparison."""
 
-    loss_chunk: int = 1024
+    loss_chunk: int = 4096
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so
-    (tokens x vocabulary) logits never exist at once. 0: the whole micro-batch at once (fastest, most memory).
-    1,024 x 32,000 vocab x 12 B = 0.37 GiB of logits at a time, for one more output-layer matmul per token (~3% of
-    a TinyLlama step)."""
+    (tokens x vocabulary) logits never exist at once. 0: the whole micro-batch at once. With the Triton loss
+    (triton_kernels, CUDA) a chunk holds 2 bytes per logit: 4,096 x 32,000 vocab x 2 B = 0.24 GiB, which covers a
+    TinyLlama micro-batch of 4,096 positions in one chunk, without the recompute (on the H100 a full fine-tune step
+    took 112.6 instead of 113.7 ms at chunks of 1,024, benchmarks/results/s12b-tiny). With torch's cross-entropy
+    (CPU, or no Triton) it holds ~12 bytes per logit (fp32 copies): 1.46 GiB at 4,096 positions; set 1024 there if
+    memory is tight."""
 
 
 @dataclass
