@@ -505,7 +505,12 @@ def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[b
     'auto' compiles above COMPILE_PAYS_OFF_S for the method, half as much again as the TinyLlama break-even (a
     margin for the models and GPUs not measured): a full fine-tune of TinyLlama compiles from ~6M tokens (half an
     epoch of Alpaca's 52k rows), LoRA from ~85M tokens (six epochs). Work = planned tokens x FLOPs per token (6 per
-    trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out)."""
+    trainable and 4 per frozen weight: metrics.FlopModel's rule, attention left out).
+
+    Those break-evens were measured against eager blocks of torch ops. With litft's Triton kernels in effect
+    (train.triton_kernels, Triton installed) eager blocks ran faster than compiled ones on the H100 (TinyLlama full
+    bf16-true 113.1 against 115.5 ms per step, LoRA 61.0 against 61.7 ms, benchmarks/results/compile-s12): compiling
+    then never pays off, and 'auto' stays eager. (Not measured at 7B: 'always' compiles.)"""
     mode = recipe.train.compile
     if mode != "auto":
         return mode == "always", ""
@@ -513,6 +518,8 @@ def use_compile(recipe: Recipe, fabric, config, stats, graphed: bool) -> tuple[b
         return False, ""
     if not graphed:
         return True, ""
+    if recipe.train.triton_kernels and kernels.triton is not None:
+        return False, "auto: eager blocks with litft's Triton kernels run faster than compiled ones"
     peak = metrics.peak_flops(torch.cuda.get_device_name(fabric.device), metrics.compute_dtype(recipe.precision))
     if peak is None:
         return True, "no peak FLOP/s known for this GPU"

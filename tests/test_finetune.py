@@ -171,8 +171,20 @@ def test_compile_auto_compiles_only_runs_long_enough_to_win_back_the_compile_tim
     stats = SimpleNamespace(samples=1000, mean_length=250.0)
 
     def decide(fabric=gpu, graphed=True, **train):
-        recipe = tiny_recipe(method="lora", precision="bf16-true", train={"max_steps": None, **train})
+        recipe = tiny_recipe(method="lora", precision="bf16-true",
+                             train={"max_steps": None, "triton_kernels": False, **train})
         return use_compile(recipe, fabric, config, stats, graphed)
+
+    # with litft's Triton kernels, eager blocks beat compiled ones (measured): 'auto' stays eager however long the run
+    from litft import kernels
+
+    if kernels.triton is not None:
+        compiled, why = decide(epochs=1000, triton_kernels=True)
+        assert not compiled and "Triton kernels" in why
+    monkeypatch.setattr(kernels, "triton", None)  # an install without Triton: the break-evens below, as with false
+    assert decide(epochs=1000, triton_kernels=True)[0]
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
 
     # one epoch of 1,000 samples, global batch 8: 125 steps x 8 x 250 tokens x 4 x 1.03e9 FLOPs / 989e12 ~ 1 s
     compiled, why = decide(epochs=1)
@@ -182,7 +194,8 @@ def test_compile_auto_compiles_only_runs_long_enough_to_win_back_the_compile_tim
     assert decide(epochs=epochs_needed)[0] and not decide(epochs=epochs_needed - 2)[0]
     # a full fine-tune's block compiles ~9x faster than LoRA's (measured): its threshold is lower, in its own units
     # (6 FLOPs per trainable weight); global batch 8 as above
-    full = tiny_recipe(method="full", precision="bf16-true", train={"max_steps": None, "epochs": 1})
+    full = tiny_recipe(method="full", precision="bf16-true",
+                       train={"max_steps": None, "epochs": 1, "triton_kernels": False})
     epochs_full = int(COMPILE_PAYS_OFF_S["full"] * 989e12 / (125 * 8 * 250 * 6 * n)) + 1
     for epochs, expected in ((epochs_full, True), (epochs_full - 2, False)):
         full.train.epochs = epochs
