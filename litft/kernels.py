@@ -1,18 +1,23 @@
-"""Triton kernels for the parts of a training step that eager PyTorch runs as several kernels or with more memory
-traffic than they need: SwiGLU, RoPE, the cross-entropy loss and LoRA's dropout, forward and backward
-(train.triton_kernels). Each reads its inputs once and writes its outputs once, in fp32
-arithmetic rounded once to the output dtype.
+"""Triton kernels for the parts of a training step that eager PyTorch runs as several kernels, or with more memory
+traffic than they need, forward and backward (train.triton_kernels). Each reads its inputs once and writes its
+outputs once, in fp32 arithmetic rounded once to the output dtype:
 
-Why: in an eager step every torch op is its own kernel, and each reads and writes whole activations. SwiGLU's
-silu(a) * b is 2 kernels forward and 4 backward (TinyLlama LoRA on an H100: ~6 ms of a 74 ms step in
-benchmarks/results/kernels-tiny); RoPE is 3 each way (roll, multiply, addcmul: ~4 ms). torch.compile fuses the same
-ops, but compiling a model takes 1-1.5 minutes, more than a short lab run gains; these kernels compile in seconds
+- SwiGLU, silu(a) * b: torch runs 2 kernels forward and 4 backward;
+- RoPE on q and k: 3 torch kernels each way (roll, multiply, addcmul);
+- the residual stream's add with the RMSNorm after it: 2 kernels forward, 3 backward;
+- the loss's cross-entropy on 16-bit logits: torch's makes fp32 copies of the logits each way;
+- LoRA's dropout, its mask drawn again from a seed in the backward pass instead of kept (1 byte per element).
+
+Why: in an eager step every torch op is its own kernel, and each reads and writes whole activations. On the H100
+these kernels made a TinyLlama LoRA step 20% faster and a full fine-tune's 16% (benchmarks/results/s12-tiny, against
+session 11's code in one call). torch.compile fuses the same ops, but compiling a block takes 15-65 s, and eager
+blocks with these kernels measured faster than compiled ones (results/compile-s12); they compile in seconds
 (Triton's JIT, cached on disk) and run inside litft's CUDA graphs like any kernel.
 
-Only on CUDA tensors, and not while torch.compile traces (inductor fuses these ops itself): elsewhere
-model.SwiGLU / model.RotaryEmbedding run their torch ops. Triton ships with torch's CUDA builds; without it
-(a CPU-only install) `available()` is false. The functions below take any device's tensors, so the tests run them in
-Triton's interpreter (TRITON_INTERPRET=1) on the CPU against the torch versions.
+Only on CUDA tensors, and not while torch.compile traces: elsewhere the functions of litft.model that use them run
+torch ops. Triton ships with torch's CUDA builds; without it (a CPU-only install) `available()` is false. The
+functions below take any device's tensors, so the tests run them in Triton's interpreter (TRITON_INTERPRET=1) on
+the CPU against the torch versions.
 """
 
 from __future__ import annotations
@@ -33,8 +38,14 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and not torch.compiler.is_compiling()
 
 
-# 4,096 elements per program: 8 warps x 32 threads x 16 elements, wide enough to stream at full bandwidth.
-_SWIGLU_BLOCK = 4096
+# 4,096 elements per program of the elementwise kernels: 8 warps x 32 threads x 16 elements, wide enough to stream
+# at full bandwidth.
+_ELEMENTWISE_BLOCK = 4096
+# vocabulary columns per loop iteration of the loss kernels: 32,000-entry vocabularies take 8 iterations
+_CROSS_ENTROPY_BLOCK = 4096
+
+
+# ---- SwiGLU ----
 
 if triton is not None:
 
@@ -60,6 +71,31 @@ if triton is not None:
         grad_a = grad * b * sigmoid * (1.0 + a * (1.0 - sigmoid))
         tl.store(grad_a_ptr + offsets, grad_a.to(grad_a_ptr.dtype.element_ty), mask=inside)
         tl.store(grad_b_ptr + offsets, (grad * silu).to(grad_b_ptr.dtype.element_ty), mask=inside)
+
+
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b in one pass."""
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty_like(a)
+    n = a.numel()
+    grid = (triton.cdiv(n, _ELEMENTWISE_BLOCK),)
+    _swiglu_forward_kernel[grid](a, b, out, n, BLOCK=_ELEMENTWISE_BLOCK, num_warps=8)
+    return out
+
+
+def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of silu(a) * b with respect to a and b, in one pass (silu(a) recomputed, not kept)."""
+    grad, a, b = grad.contiguous(), a.contiguous(), b.contiguous()
+    grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+    n = a.numel()
+    grid = (triton.cdiv(n, _ELEMENTWISE_BLOCK),)
+    _swiglu_backward_kernel[grid](grad, a, b, grad_a, grad_b, n, BLOCK=_ELEMENTWISE_BLOCK, num_warps=8)
+    return grad_a, grad_b
+
+
+# ---- RoPE ----
+
+if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, positions, heads,
@@ -92,82 +128,25 @@ if triton is not None:
         tl.store(out_first + half, out2.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-    @triton.jit
-    def _cross_entropy_forward_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, stride_row, ignore_index,
-                                      BLOCK: tl.constexpr):
-        # one program per position: log-sum-exp over the vocabulary in blocks, online (running max and sum)
-        row = tl.program_id(0)
-        row_logits = logits_ptr + row.to(tl.int64) * stride_row
-        running_max = tl.full((), float("-inf"), tl.float32)
-        running_sum = tl.full((), 0.0, tl.float32)
-        for start in range(0, vocab, BLOCK):
-            columns = start + tl.arange(0, BLOCK)
-            x = tl.load(row_logits + columns, mask=columns < vocab, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            running_max = new_max
-        lse = running_max + tl.log(running_sum)
-        tl.store(lse_ptr + row, lse)
-        label = tl.load(labels_ptr + row)
-        labelled = label != ignore_index
-        target = tl.load(row_logits + tl.where(labelled, label, 0)).to(tl.float32)
-        tl.store(loss_ptr + row, tl.where(labelled, lse - target, 0.0))
-
-    @triton.jit
-    def _cross_entropy_backward_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, vocab, stride_row, ignore_index,
-                                       BLOCK: tl.constexpr):
-        # d loss / d logits = (softmax - one_hot(label)) x the loss's gradient, 0 for unlabelled positions; written
-        # over the logits (the matmul that made them does not need them back)
-        row = tl.program_id(0)
-        row_logits = logits_ptr + row.to(tl.int64) * stride_row
-        label = tl.load(labels_ptr + row)
-        scale = tl.where(label != ignore_index, tl.load(grad_ptr).to(tl.float32), 0.0)
-        lse = tl.load(lse_ptr + row)
-        for start in range(0, vocab, BLOCK):
-            columns = start + tl.arange(0, BLOCK)
-            inside = columns < vocab
-            x = tl.load(row_logits + columns, mask=inside).to(tl.float32)
-            grad = (tl.exp(x - lse) - tl.where(columns == label, 1.0, 0.0)) * scale
-            tl.store(row_logits + columns, grad.to(logits_ptr.dtype.element_ty), mask=inside)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _dropout_part(x_ptr, out_ptr, offsets, n, uniform, p, scale):
-        inside = offsets < n
-        x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
-        keep = uniform >= p  # uniform in [0, 1): kept with probability 1 - p
-        tl.store(out_ptr + offsets, tl.where(keep, x * scale, 0.0).to(out_ptr.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def _dropout_kernel(x_ptr, out_ptr, seed_ptr, n, p, scale, QUARTER: tl.constexpr):
-        # one Philox call gives 4 uniforms (rand4x): for the counters of this program's quarter-block, one uniform for
-        # an element in each quarter, a quarter of the random-number work that one uniform per element costs
-        start = tl.program_id(0) * 4 * QUARTER
-        counters = tl.program_id(0) * QUARTER + tl.arange(0, QUARTER)
-        u1, u2, u3, u4 = tl.rand4x(tl.load(seed_ptr), counters)
-        offsets = start + tl.arange(0, QUARTER)
-        _dropout_part(x_ptr, out_ptr, offsets, n, u1, p, scale)
-        _dropout_part(x_ptr, out_ptr, offsets + QUARTER, n, u2, p, scale)
-        _dropout_part(x_ptr, out_ptr, offsets + 2 * QUARTER, n, u3, p, scale)
-        _dropout_part(x_ptr, out_ptr, offsets + 3 * QUARTER, n, u4, p, scale)
-
-
-def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
-    """x with each element zeroed with probability p and the rest scaled by 1 / (1 - p), the mask drawn from Philox
-    random numbers of ``seed`` (a 1-element int64 tensor, read on the device) and each element's index: the same
-    seed gives the same mask, so the backward pass (the same map: a diagonal of 0 and 1 / (1 - p)) needs the seed,
-    not a mask."""
-    x = x.contiguous()
-    n = x.numel()
-    if n >= 2**31:  # Philox counters are 32-bit here
-        raise ValueError(f"dropout kernel: {n:,} elements, over 2^31")
-    out = torch.empty_like(x)
-    _dropout_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](x, out, seed, n, p, 1.0 / (1.0 - p),
-                                                      QUARTER=_SWIGLU_BLOCK // 4, num_warps=8)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """LitGPT's apply_rope on x (rows, positions, heads, head_size), any strides with the last dimension contiguous
+    (a slice of the qkv output, say): x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), or with
+    ``transpose`` the map's transpose (the backward pass). cos, sin: (rows or 1, positions, head_size), or with a
+    singleton head dimension before the last. Returns a new contiguous tensor of x's shape and dtype."""
+    rows, positions, heads, head_size = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = (t.reshape(t.shape[0], positions, head_size).contiguous() for t in (cos, sin))
+    half = head_size // 2
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rope_kernel[(rows * positions,)](
+        x, cos, sin, out, positions, heads, x.stride(0), x.stride(1), x.stride(2),
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), half,
+        TRANSPOSE=transpose, BLOCK_HEADS=_next_power_of_2(heads), BLOCK_HALF=_next_power_of_2(half), num_warps=4)
     return out
 
+
+# ---- the residual add and the RMSNorm after it ----
 
 if triton is not None:
 
@@ -258,8 +237,47 @@ def add_rms_norm_backward(grad_out: torch.Tensor, grad_residual: torch.Tensor | 
     return grad_in, partial.sum(0).to(weight.dtype) if weight_grad else None
 
 
-# vocabulary columns per loop iteration of the loss kernels: 32,000-entry vocabularies take 8 iterations
-_CROSS_ENTROPY_BLOCK = 4096
+# ---- cross-entropy ----
+
+if triton is not None:
+
+    @triton.jit
+    def _cross_entropy_forward_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, stride_row, ignore_index,
+                                      BLOCK: tl.constexpr):
+        # one program per position: log-sum-exp over the vocabulary in blocks, online (running max and sum)
+        row = tl.program_id(0)
+        row_logits = logits_ptr + row.to(tl.int64) * stride_row
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.full((), 0.0, tl.float32)
+        for start in range(0, vocab, BLOCK):
+            columns = start + tl.arange(0, BLOCK)
+            x = tl.load(row_logits + columns, mask=columns < vocab, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+        lse = running_max + tl.log(running_sum)
+        tl.store(lse_ptr + row, lse)
+        label = tl.load(labels_ptr + row)
+        labelled = label != ignore_index
+        target = tl.load(row_logits + tl.where(labelled, label, 0)).to(tl.float32)
+        tl.store(loss_ptr + row, tl.where(labelled, lse - target, 0.0))
+
+    @triton.jit
+    def _cross_entropy_backward_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, vocab, stride_row, ignore_index,
+                                       BLOCK: tl.constexpr):
+        # d loss / d logits = (softmax - one_hot(label)) x the loss's gradient, 0 for unlabelled positions; written
+        # over the logits (the matmul that made them does not need them back)
+        row = tl.program_id(0)
+        row_logits = logits_ptr + row.to(tl.int64) * stride_row
+        label = tl.load(labels_ptr + row)
+        scale = tl.where(label != ignore_index, tl.load(grad_ptr).to(tl.float32), 0.0)
+        lse = tl.load(lse_ptr + row)
+        for start in range(0, vocab, BLOCK):
+            columns = start + tl.arange(0, BLOCK)
+            inside = columns < vocab
+            x = tl.load(row_logits + columns, mask=inside).to(tl.float32)
+            grad = (tl.exp(x - lse) - tl.where(columns == label, 1.0, 0.0)) * scale
+            tl.store(row_logits + columns, grad.to(logits_ptr.dtype.element_ty), mask=inside)
 
 
 def cross_entropy_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
@@ -284,40 +302,43 @@ def cross_entropy_backward_(logits: torch.Tensor, labels: torch.Tensor, lse: tor
     return logits
 
 
-def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b in one pass."""
-    a, b = a.contiguous(), b.contiguous()
-    out = torch.empty_like(a)
-    n = a.numel()
-    _swiglu_forward_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](a, b, out, n, BLOCK=_SWIGLU_BLOCK, num_warps=8)
-    return out
+# ---- dropout ----
+
+if triton is not None:
+
+    @triton.jit
+    def _dropout_part(x_ptr, out_ptr, offsets, n, uniform, p, scale):
+        inside = offsets < n
+        x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
+        keep = uniform >= p  # uniform in [0, 1): kept with probability 1 - p
+        tl.store(out_ptr + offsets, tl.where(keep, x * scale, 0.0).to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _dropout_kernel(x_ptr, out_ptr, seed_ptr, n, p, scale, QUARTER: tl.constexpr):
+        # one Philox call gives 4 uniforms (rand4x): for the counters of this program's quarter-block, one uniform for
+        # an element in each quarter, a quarter of the random-number work that one uniform per element costs
+        start = tl.program_id(0) * 4 * QUARTER
+        counters = tl.program_id(0) * QUARTER + tl.arange(0, QUARTER)
+        u1, u2, u3, u4 = tl.rand4x(tl.load(seed_ptr), counters)
+        offsets = start + tl.arange(0, QUARTER)
+        _dropout_part(x_ptr, out_ptr, offsets, n, u1, p, scale)
+        _dropout_part(x_ptr, out_ptr, offsets + QUARTER, n, u2, p, scale)
+        _dropout_part(x_ptr, out_ptr, offsets + 2 * QUARTER, n, u3, p, scale)
+        _dropout_part(x_ptr, out_ptr, offsets + 3 * QUARTER, n, u4, p, scale)
 
 
-def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of silu(a) * b with respect to a and b, in one pass (silu(a) recomputed, not kept)."""
-    grad, a, b = grad.contiguous(), a.contiguous(), b.contiguous()
-    grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
-    n = a.numel()
-    _swiglu_backward_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](grad, a, b, grad_a, grad_b, n, BLOCK=_SWIGLU_BLOCK,
-                                                              num_warps=8)
-    return grad_a, grad_b
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """LitGPT's apply_rope on x (rows, positions, heads, head_size), any strides with the last dimension contiguous
-    (a slice of the qkv output, say): x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), or with
-    ``transpose`` the map's transpose (the backward pass). cos, sin: (rows or 1, positions, head_size), or with a
-    singleton head dimension before the last. Returns a new contiguous tensor of x's shape and dtype."""
-    rows, positions, heads, head_size = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    cos, sin = (t.reshape(t.shape[0], positions, head_size).contiguous() for t in (cos, sin))
-    half = head_size // 2
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rope_kernel[(rows * positions,)](
-        x, cos, sin, out, positions, heads, x.stride(0), x.stride(1), x.stride(2),
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), half,
-        TRANSPOSE=transpose, BLOCK_HEADS=_next_power_of_2(heads), BLOCK_HALF=_next_power_of_2(half), num_warps=4)
+def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """x with each element zeroed with probability p and the rest scaled by 1 / (1 - p), the mask drawn from Philox
+    random numbers of ``seed`` (a 1-element int64 tensor, read on the device) and each element's index: the same
+    seed gives the same mask, so the backward pass (the same map: a diagonal of 0 and 1 / (1 - p)) needs the seed,
+    not a mask."""
+    x = x.contiguous()
+    n = x.numel()
+    if n >= 2**31:  # Philox counters are 32-bit here
+        raise ValueError(f"dropout kernel: {n:,} elements, over 2^31")
+    out = torch.empty_like(x)
+    grid = (triton.cdiv(n, _ELEMENTWISE_BLOCK),)
+    _dropout_kernel[grid](x, out, seed, n, p, 1.0 / (1.0 - p), QUARTER=_ELEMENTWISE_BLOCK // 4, num_warps=8)
     return out
 
 
