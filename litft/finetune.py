@@ -185,10 +185,11 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     grads_in_matmul = recipe.adds_grads_in_matmul and not compiled  # train.grad_into_weights in effect
     # train.triton_kernels in effect: on CUDA with Triton installed; SwiGLU's and RoPE's only in eager blocks (compiled
     # blocks fuse the same ops through inductor), the loss's in either (it runs outside the blocks)
-    triton_loss = recipe.train.triton_kernels and fabric.device.type == "cuda" and kernels.triton is not None
-    triton_layers = triton_loss and not compiled
-    if recipe.train.triton_kernels and fabric.device.type == "cuda" and kernels.triton is None:
+    wants_triton = recipe.train.triton_kernels and fabric.device.type == "cuda"
+    if wants_triton and kernels.triton is None:
         say("speed: train.triton_kernels is on but Triton is not installed: torch ops run instead")
+    triton_loss = wants_triton and kernels.triton is not None
+    triton_layers = triton_loss and not compiled
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")

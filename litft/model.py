@@ -755,12 +755,12 @@ class CausalLM(torch.nn.Module):
         self.gpt = gpt
         self.loss_chunk = loss_chunk
         self.compiled = compiled
+        """The blocks are torch.compile'd (:func:`compile_blocks`): hidden() then keeps them to one compiled graph."""
         self.triton_kernels = triton_kernels
         """The loss as litft.kernels' cross-entropy (train.triton_kernels) on CUDA: :class:`CrossEntropySum`."""
         self.fused_residual_norms = fused_residual_norms
         """hidden() runs each block's residual adds and the norms after them as :class:`AddRMSNorm` on CUDA (eager
         blocks, train.triton_kernels, and a model where :func:`fuses_residual_norms`); else each block's forward."""
-        """The blocks are torch.compile'd (:func:`compile_blocks`): hidden() then keeps them to one compiled graph."""
         # Flash attention's varlen kernel sizes its grid by this bound and leaves any position past it in a segment
         # unwritten (garbage that reaches the weight gradients as inf/nan through the zero-loss padding). It must
         # cover every segment of every batch: samples (at most max_seq_length) and a packed row's padding tail (under
@@ -861,8 +861,9 @@ def chunked_lm_loss(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.T
 
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(hidden.split(chunk), labels.split(chunk)):
-        # preserve_rng_state off: the head has no random ops, and reading the CUDA RNG state is not allowed while a
-        # CUDA graph is being captured
+        # preserve_rng_state off: reading the CUDA RNG state is not allowed while a CUDA graph is being captured. A
+        # LoRA head's dropout therefore draws a new mask in the recompute: the chunk's gradient is that of the
+        # recomputed forward (the same distribution), its reported loss the first forward's
         total = total + checkpoint(_chunk_loss, head, h, y, fused, use_reentrant=False, preserve_rng_state=False)
     return total
 
