@@ -412,6 +412,19 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-torch-dropout", "tiny-llama-qlora", GPU + steps(30), AB),
         ("lora-again", "tiny-llama-lora", GPU + steps(30)),
     ],
+    # Issue 5, session 13, call 1: session 12's code (commit 0f81773, carried as out/prev) beside this one's (q, k, v
+    # out of the qkv output in one Triton kernel each way, model.RopeQKV; grouped k/v heads straight to the flash ops,
+    # model.GroupedFlashAttention, where torch 2.11's varlen_attn takes no grouped heads).
+    "s13-tiny": [
+        ("lora-s12", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("full-s12", "tiny-llama-full", GPU + steps(24), PREVIOUS),
+        ("full", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21"]),
+        ("qlora-s12", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("full-mixed-s12", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"], PREVIOUS),
+        ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -306,6 +306,31 @@ _VARLEN_KWARGS, _VARLEN_GQA = _varlen_signature()
 VARLEN_DEVICES = ("cuda",)  # where packed rows use torch's varlen op (tests add "cpu" with reference kernels)
 
 
+class GroupedFlashAttention(torch.autograd.Function):
+    """Causal flash attention within each cu_seqlens segment of q (N, heads, head_size) over k, v (N, groups,
+    head_size) with grouped heads: torch's flash-attention ops (aten._flash_attention_forward / _backward) called as
+    torch.nn.attention.varlen calls them, k and v passed at their groups. For a torch whose varlen_attn does not take
+    enable_gqa (2.11): there k and v would be repeated to every head first, a copy of each in the forward pass and a
+    sum in the backward (TinyLlama: 2 x 8 times the k/v bytes per layer and pass), and the repeated copies kept for
+    the backward pass. Flash attention reads each group for its heads' queries itself."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_length: int, scale: float):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_length, ctx.scale = max_length, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
+        grad_q, grad_k, grad_v = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.max_length, ctx.max_length, 0.0,
+            True, rng_state, unused, scale=ctx.scale)
+        return grad_q, grad_k, grad_v, None, None, None
+
+
 def packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
     """CausalSelfAttention.scaled_dot_product_attention, plus packed rows: when `mask` is a Packed, each sample
     attends only to itself. q, k, v: (1, heads, N, head_size), k and v already repeated to all heads by LitGPT.
@@ -326,13 +351,16 @@ def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
         # (1, N, H, D) -> (N, H, D): views; flash attention needs only the last dimension contiguous
         q_, k_, v_ = (x.reshape(t, x.shape[2], head_size) for x in (q, k, v))
+        cu = mask.cu_seqlens
         gqa = {}
         if k_.shape[1] != heads:
             if _VARLEN_GQA:
                 gqa = {"enable_gqa": True}
-            else:  # this torch's varlen op wants every head: repeat, as LitGPT does
+            elif not torch.compiler.is_compiling():
+                y = GroupedFlashAttention.apply(q_, k_, v_, cu, mask.max_length, scale)
+                return y.view(b, t, heads, head_size)
+            else:  # this torch's varlen op wants every head, and dynamo traces only it: repeat, as LitGPT does
                 k_, v_ = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k_, v_))
-        cu = mask.cu_seqlens
         y = varlen_attn(q_, k_, v_, cu, cu, mask.max_length, mask.max_length, scale=scale, **_VARLEN_KWARGS, **gqa)
         return y.view(b, t, heads, head_size)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D), as SDPA takes them
@@ -348,18 +376,13 @@ def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 class RotaryEmbedding(torch.autograd.Function):
     """LitGPT's apply_rope, x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), keeping only the tables for the
-    backward pass. With ``fused`` (train.triton_kernels) on a CUDA tensor in eager mode: one Triton kernel each way
-    (kernels.rope). Otherwise 3 torch kernels each way: rotate_half(x) sin = roll(x) s' with roll(x) = (x2, x1) (x
-    rolled by half the head) and s' = (-sin1, sin2), so the forward is one multiply and one addcmul. The map is linear
-    in x and its transpose is the same with -s', so the backward is too. LitGPT's version runs ~6 kernels each way
-    per tensor (a negation, two concatenations, two multiplies, an add)."""
+    backward pass, in 3 torch kernels each way: rotate_half(x) sin = roll(x) s' with roll(x) = (x2, x1) (x rolled by
+    half the head) and s' = (-sin1, sin2), so the forward is one multiply and one addcmul. The map is linear in x and
+    its transpose is the same with -s', so the backward is too. LitGPT's version runs ~6 kernels each way per tensor
+    (a negation, two concatenations, two multiplies, an add). With Triton kernels, :class:`RopeQKV` instead."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        ctx.fused = fused and kernels.available(x)
-        if ctx.fused:
-            ctx.save_for_backward(cos, sin)
-            return kernels.rope(x, cos, sin)
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         ctx.save_for_backward(cos, signed_sin)
@@ -367,19 +390,43 @@ class RotaryEmbedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.fused:
-            cos, sin = ctx.saved_tensors
-            return kernels.rope(grad, cos, sin, transpose=True), None, None, None
         cos, signed_sin = ctx.saved_tensors
         half = grad.shape[-1] // 2
         grad_x = torch.addcmul(grad * cos, grad.roll(half, dims=-1), signed_sin, value=-1).to(grad.dtype)
-        return grad_x, None, None, None
+        return grad_x, None, None
+
+
+class RopeQKV(torch.autograd.Function):
+    """The qkv output (B, T, (heads + 2 groups) x head_size) split into q (B, T, heads, head_size), k and v (B, T,
+    groups, head_size), RoPE applied to q and k, in one Triton kernel each way (kernels.rope_qkv; CUDA, eager only).
+    The backward pass writes the q, k and v gradients straight into one qkv gradient. Through autograd, splitting
+    the qkv output and roping q and k (:class:`RotaryEmbedding`) puts them back with two concatenations (of q with
+    k, then of both with v): two more reads and writes of the whole qkv gradient, 2 x 22 per pass in TinyLlama."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, groups: int):
+        b, t, width = qkv.shape
+        head_size = width // (heads + 2 * groups)
+        q, k, v = qkv.view(b, t, heads + 2 * groups, head_size).split((heads, groups, groups), dim=2)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads, ctx.groups = heads, groups
+        return kernels.rope_qkv(q, k, v, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        b, t, heads, head_size = grad_q.shape
+        grad_qkv = torch.empty(b, t, heads + 2 * ctx.groups, head_size, dtype=grad_q.dtype, device=grad_q.device)
+        kernels.rope_qkv(grad_q, grad_k, grad_v, cos, sin, transpose=True,
+                         out=grad_qkv.split((heads, ctx.groups, ctx.groups), dim=2))
+        return grad_qkv.view(b, t, -1), None, None, None, None
 
 
 def attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None, input_pos=None,
                       input_pos_maxp1=None) -> torch.Tensor:
     """CausalSelfAttention.forward for training Llama-style attention (train.fast_attention): RoPE on q and k
-    together as one RotaryEmbedding (q and k are adjacent columns of the qkv output), and k, v left at their
+    together as one RotaryEmbedding (q and k are adjacent columns of the qkv output), or with Triton kernels on CUDA
+    (train.triton_kernels) q, k and v out of the qkv output in one :class:`RopeQKV`; k, v left at their
     n_query_groups heads for the kernel, where LitGPT's forward ropes q and k separately, concatenates each with its
     (empty) unroped part and repeats k and v to all heads (TinyLlama: 4 groups copied to 32 heads, each way).
     With a KV cache (generation) it is LitGPT's own forward."""
@@ -387,11 +434,15 @@ def attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         return type(self).forward(self, x, cos, sin, mask, input_pos, input_pos_maxp1)
     b, t, _ = x.shape
     heads, groups, head_size = self.config.n_head, self.config.n_query_groups, self.config.head_size
-    qk, v = self.qkv(x).split(((heads + groups) * head_size, groups * head_size), dim=-1)
-    qk = RotaryEmbedding.apply(qk.view(b, t, heads + groups, head_size), cos.unsqueeze(2), sin.unsqueeze(2),
-                               self.triton_kernels)
-    q, k = qk.split((heads, groups), dim=2)  # split (not slicing): its backward is one concatenation
-    y = causal_attention(self, q, k, v.view(b, t, groups, head_size), mask)
+    qkv = self.qkv(x)
+    if self.triton_kernels and kernels.available(qkv):
+        q, k, v = RopeQKV.apply(qkv, cos, sin, heads, groups)
+    else:
+        qk, v = qkv.split(((heads + groups) * head_size, groups * head_size), dim=-1)
+        qk = RotaryEmbedding.apply(qk.view(b, t, heads + groups, head_size), cos.unsqueeze(2), sin.unsqueeze(2))
+        q, k = qk.split((heads, groups), dim=2)  # split (not slicing): its backward is one concatenation
+        v = v.view(b, t, groups, head_size)
+    y = causal_attention(self, q, k, v, mask)
     return self.proj(y.reshape(b, t, heads * head_size))
 
 

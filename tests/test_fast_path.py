@@ -358,7 +358,8 @@ def test_ledger_traces_mixed_precision_with_an_fp32_residual_stream(tiny_recipe)
 
 
 _REFERENCE_VARLEN_REGISTERED = False
-_REFERENCE_VARLEN_CALLS = {"forward": 0, "backward": 0, "kv_heads": set()}
+_REFERENCE_VARLEN_CALLS = {"forward": 0, "backward": 0, "aten": 0, "kv_heads": set()}
+_ATEN_LIBRARY = torch.library.Library("aten", "IMPL")  # CPU kernels for two of its ops, for this test process
 
 
 def _register_reference_varlen_kernels() -> None:
@@ -414,15 +415,36 @@ def _register_reference_varlen_kernels() -> None:
 
     varlen._varlen_attn.register_kernel("cpu")(forward)
     varlen._varlen_attn_backward.register_kernel("cpu")(backward)
+
+    # the flash-attention ops themselves, as model.GroupedFlashAttention calls them (a torch whose varlen_attn does
+    # not take grouped heads)
+    def aten_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                     *, scale=None, **rest):
+        assert dropout_p == 0.0 and not return_debug_mask
+        _REFERENCE_VARLEN_CALLS["aten"] += 1
+        out, lse, rng_state = forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale)
+        return out, lse, rng_state, torch.empty(0), torch.empty(0)
+
+    def aten_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, is_causal,
+                      rng_state, unused, *, scale=None, **rest):
+        _REFERENCE_VARLEN_CALLS["aten"] += 1
+        return backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                        rng_state, scale)
+
+    _ATEN_LIBRARY.impl("_flash_attention_forward", aten_forward, "CPU")
+    _ATEN_LIBRARY.impl("_flash_attention_backward", aten_backward, "CPU")
     _REFERENCE_VARLEN_REGISTERED = True
 
 
-@pytest.mark.parametrize("fast_attention", [True, False])
+@pytest.mark.parametrize("fast_attention,varlen_gqa", [(True, True), (True, False), (False, True)],
+                         ids=["fast", "fast-torch-without-varlen-gqa", "litgpt"])
 def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compiles_to_one_graph(
-        tiny_recipe, monkeypatch, fast_attention):
+        tiny_recipe, monkeypatch, fast_attention, varlen_gqa):
     """packed_attention's CUDA branch (torch's varlen op; CPU tests otherwise take the masked-SDPA branch), run on the
     CPU with reference kernels: the same loss and gradients as the masked branch, eager and compiled, and one
-    compiled graph of the block for rows of every length (aot_eager: dynamo's graphs and guards, no kernels)."""
+    compiled graph of the block for rows of every length (aot_eager: dynamo's graphs and guards, no kernels). Without
+    a varlen_attn that takes grouped heads (torch 2.11), eager blocks call the flash ops with grouped k/v heads
+    (model.GroupedFlashAttention) and compiled ones repeat k and v for varlen_attn."""
     from torch._dynamo.utils import counters
 
     import litft.model
@@ -431,7 +453,8 @@ def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compi
     if _VARLEN_KWARGS is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     _register_reference_varlen_kernels()
-    _REFERENCE_VARLEN_CALLS.update(forward=0, backward=0, kv_heads=set())
+    _REFERENCE_VARLEN_CALLS.update(forward=0, backward=0, aten=0, kv_heads=set())
+    monkeypatch.setattr(litft.model, "_VARLEN_GQA", varlen_gqa)
     gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
     use_fast_layers(gpt, attention=fast_attention)
     masked = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
@@ -452,11 +475,20 @@ def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compi
             for name in grads_masked:
                 torch.testing.assert_close(grads[name], grads_masked[name], rtol=1e-4, atol=1e-6, msg=name)
     assert counters["stats"]["unique_graphs"] == 1, (dict(counters["stats"]), dict(counters["graph_break"]))
-    # the varlen branch ran: 3 batches x 2 models x the tiny model's blocks, forward and backward
-    assert _REFERENCE_VARLEN_CALLS["forward"] == _REFERENCE_VARLEN_CALLS["backward"] == 3 * 2 * gpt.config.n_layer
-    # fast attention hands the kernel the grouped k, v heads; LitGPT's forward repeats them to every query head
+    # the varlen branch ran: 3 batches x 2 models x the tiny model's blocks, forward and backward (the eager model
+    # through the aten ops, each counted here too, when varlen_attn takes no grouped heads)
     config = gpt.config
-    assert _REFERENCE_VARLEN_CALLS["kv_heads"] == {config.n_query_groups if fast_attention else config.n_head}
+    calls = 3 * 2 * config.n_layer
+    assert _REFERENCE_VARLEN_CALLS["forward"] == _REFERENCE_VARLEN_CALLS["backward"] == calls
+    assert _REFERENCE_VARLEN_CALLS["aten"] == (0 if varlen_gqa or not fast_attention else calls)
+    # fast attention hands the kernel the grouped k, v heads; LitGPT's forward repeats them to every query head, and
+    # so do compiled blocks when varlen_attn takes no grouped heads
+    if not fast_attention:
+        assert _REFERENCE_VARLEN_CALLS["kv_heads"] == {config.n_head}
+    elif varlen_gqa:
+        assert _REFERENCE_VARLEN_CALLS["kv_heads"] == {config.n_query_groups}
+    else:
+        assert _REFERENCE_VARLEN_CALLS["kv_heads"] == {config.n_query_groups, config.n_head}
     torch._dynamo.reset()
 
 

@@ -87,6 +87,31 @@ def test_packed_attention_uses_varlen_flash_on_cuda():
     print(f"varlen_attn takes grouped k/v heads (enable_gqa): {_VARLEN_GQA}")
 
 
+def test_grouped_flash_attention_equals_varlen_attn_over_repeated_heads():
+    """model.GroupedFlashAttention (the flash ops with grouped k/v heads) gives varlen_attn's output over k and v
+    repeated to every head, and its gradients summed over each group, in bf16 on packed segments."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from litft.model import _VARLEN_KWARGS, GroupedFlashAttention
+
+    torch.manual_seed(0)
+    heads, groups, head_size, lengths = 8, 2, 64, [37, 200, 5, 270]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    n, scale = sum(lengths), head_size ** -0.5
+    q, k, v = (torch.randn(n, h, head_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (heads, groups, groups))
+    grad = torch.randn(n, heads, head_size, device="cuda", dtype=torch.bfloat16)
+    out = GroupedFlashAttention.apply(q, k, v, cu, 512, scale)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    k_all, v_all = (x.repeat_interleave(heads // groups, dim=1) for x in (k, v))
+    expected = varlen_attn(q, k_all, v_all, cu, cu, 512, 512, scale=scale, **_VARLEN_KWARGS)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    torch.testing.assert_close(out, expected)  # the same kernel on the same values
+    for actual, wanted in zip(grads, expected_grads):
+        # k's and v's gradients summed over each group's heads in another order: bf16 rounding
+        torch.testing.assert_close(actual.float(), wanted.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_fast_attention_and_litgpts_attention_train_alike_on_cuda(tiny_recipe, tmp_path, method):
     """train.fast_attention on and off (packed rows through flash attention's varlen kernel, grouped k/v heads) give

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from litft import kernels
-from litft.model import RotaryEmbedding, SwiGLU
+from litft.model import SwiGLU
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -46,39 +46,48 @@ def test_swiglu_kernels_match_torch(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_row_tables", [False, True], ids=["shared-tables", "per-row-tables"])
-def test_rope_kernel_matches_litgpts_apply_rope(device, dtype, per_row_tables):
-    """The kernel on q and k as LitGPT's attention lays them out (a strided slice of the qkv output, grouped k heads)
-    gives apply_rope's result, and with transpose=True apply_rope's gradient. Per-row tables: packed rows, whose
-    positions restart with each sample."""
+def test_rope_qkv_kernel_matches_litgpts_apply_rope(device, dtype, per_row_tables):
+    """The kernel on q, k and v as LitGPT's attention lays them out (strided slices of the qkv output, grouped k/v
+    heads) gives apply_rope's q and k and v itself, and with transpose=True apply_rope's gradients (v's passed
+    through), written into slices of one qkv gradient as model.RopeQKV's backward pass does. Per-row tables: packed
+    rows, whose positions restart with each sample."""
     from litgpt.model import apply_rope, build_rope_cache
 
     torch.manual_seed(0)
-    rows, positions, heads, groups, head_size = 2, 9, 6, 2, 16  # 8 rotated heads: q and k of 2 groups
+    rows, positions, heads, groups, head_size = 2, 9, 6, 2, 16
     cos, sin = build_rope_cache(32, head_size, device=torch.device(device))
     if per_row_tables:
         index = torch.stack([torch.arange(positions), torch.arange(positions) % 4]).to(device)  # row 1: 3 samples
         cos, sin = cos[index], sin[index]  # (rows, positions, head_size)
     else:
         cos, sin = cos[:positions].unsqueeze(0), sin[:positions].unsqueeze(0)  # (1, positions, head_size)
-    qkv = torch.randn(rows, positions, (heads + 2 * groups) * head_size, device=device)
-    qk = qkv[..., : (heads + groups) * head_size].view(rows, positions, heads + groups, head_size)
-    assert not qk.is_contiguous()
+    qkv = torch.randn(rows, positions, heads + 2 * groups, head_size, device=device)
+    q, k, v = qkv.split((heads, groups, groups), dim=2)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
 
     # apply_rope takes (rows, heads, positions, head_size) and tables of (rows or 1, positions, head_size)
-    x = qk.transpose(1, 2).detach().clone().requires_grad_()
+    x = torch.cat((q, k), dim=2).transpose(1, 2).detach().clone().requires_grad_()
     expected = apply_rope(x, cos, sin)
     grad = torch.randn_like(expected)
     expected.backward(grad)
     expected, expected_grad = expected.transpose(1, 2), x.grad.transpose(1, 2)
+    grad_v = torch.randn_like(v)
 
-    out = kernels.rope(qk.to(dtype), cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype))
-    grad_x = kernels.rope(grad.transpose(1, 2).to(dtype), cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype),
-                          transpose=True)
-    assert out.shape == grad_x.shape == qk.shape and out.is_contiguous() and out.dtype == dtype
+    cos_, sin_ = cos.to(dtype), sin.to(dtype)
+    out = kernels.rope_qkv(q.to(dtype), k.to(dtype), v.to(dtype), cos_, sin_)
+    assert [o.shape for o in out] == [q.shape, k.shape, v.shape]
+    assert all(o.is_contiguous() and o.dtype == dtype for o in out)
+    grad_q, grad_k = grad.transpose(1, 2).to(dtype).split((heads, groups), dim=2)
+    grad_qkv = torch.full(qkv.shape, float("nan"), dtype=dtype, device=device)
+    written = kernels.rope_qkv(grad_q.contiguous(), grad_k.contiguous(), grad_v.to(dtype), cos_, sin_,
+                               out=grad_qkv.split((heads, groups, groups), dim=2), transpose=True)
+    assert all(w.data_ptr() == s.data_ptr() for w, s in zip(written, grad_qkv.split((heads, groups, groups), 2)))
     check = (lambda a, b: torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)) \
         if dtype == torch.float32 else _bf16_close
-    check(out, expected)
-    check(grad_x, expected_grad)
+    check(torch.cat(out[:2], dim=2), expected)
+    assert torch.equal(out[2], v.to(dtype))
+    check(grad_qkv[:, :, : heads + groups], expected_grad)
+    assert torch.equal(grad_qkv[:, :, heads + groups:], grad_v.to(dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -225,7 +234,7 @@ def test_fused_residual_norms_give_the_blocks_loss_and_gradients(tiny_recipe, mo
 
 
 def test_kernels_take_only_cuda_tensors():
-    """On CPU tensors model.SwiGLU and model.RotaryEmbedding run their torch ops even when asked for the kernels."""
+    """On CPU tensors model.SwiGLU runs its torch ops even when asked for the kernels."""
     a = torch.randn(4, 8)
     assert not kernels.available(a)
     torch.testing.assert_close(SwiGLU.apply(a, a, True), SwiGLU.apply(a, a, False))
