@@ -190,6 +190,9 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         say("speed: train.triton_kernels is on but Triton is not installed: torch ops run instead")
     triton_loss = wants_triton and kernels.triton is not None
     triton_layers = triton_loss and not compiled
+    # AdamW's step as kernels.AdamW (compiled blocks too: the step runs outside them), where whole parameters sit on
+    # each rank and no fp16 scaler owns grad_scale
+    triton_adamw = triton_loss and whole_parameters_unscaled(fabric)
     predicted = predict_memory(recipe, config, worst_case_tokens(recipe, data.train.lengths), compiled)
     if predicted is not None:
         say(f"memory: predicted peak {predicted.total_gib:.2f} GiB reserved per device (`litft estimate` itemises it)")
@@ -235,7 +238,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled,
                                              triton_loss, fused_residual_norms))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
-        optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
+        optimizer = fabric.setup_optimizers(build_optimizer(recipe, model, triton_adamw))
         optimizer_used = optimizer_summary(optimizer)
         if recipe.train.max_grad_norm is not None:
             optimizer_used["clipping"] = ("norm only; the fused step divides" if scales_in_step(fabric, optimizer.optimizer)
@@ -358,7 +361,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         result["optimizer"] = optimizer_used
         result["grad_into_weights"] = grads_in_matmul
         result["triton_kernels"] = {"swiglu_rope": triton_layers, "loss": triton_loss,
-                                    "residual_norms": fused_residual_norms}
+                                    "residual_norms": fused_residual_norms,
+                                    "adamw": optimizer_used["implementation"] == TRITON_ADAMW}
         if is_main:
             write_json_atomic(out_dir / "result.json", result)
     if is_main and recipe.logging.progress != "none":
@@ -1025,23 +1029,38 @@ def clip_gradients(fabric, model, optimizer, max_norm: float) -> torch.Tensor:
 
 def scales_in_step(fabric, optimizer: torch.optim.Optimizer) -> bool:
     """Whether clip_gradients can leave the scaling to the optimizer's fused kernel (see there)."""
-    from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
-
     return (
         bool(optimizer.defaults.get("fused"))
         and getattr(optimizer, "_step_supports_amp_scaling", False)
-        and type(fabric.strategy) in (SingleDeviceStrategy, DDPStrategy)
-        and getattr(fabric.strategy.precision, "scaler", None) is None
+        and whole_parameters_unscaled(fabric)
     )
 
 
-def build_optimizer(recipe: Recipe, model) -> torch.optim.Optimizer:
+def whole_parameters_unscaled(fabric) -> bool:
+    """One device or DDP (each rank holds whole parameters and gradients), and no fp16 loss scaler (which would own
+    an optimizer's grad_scale)."""
+    from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+
+    return (type(fabric.strategy) in (SingleDeviceStrategy, DDPStrategy)
+            and getattr(fabric.strategy.precision, "scaler", None) is None)
+
+
+TRITON_ADAMW = "Triton kernel (litft.kernels.AdamW)"
+
+
+def build_optimizer(recipe: Recipe, model, triton_adamw: bool = False) -> torch.optim.Optimizer:
+    """The recipe's optimizer over the trainable parameters. With ``triton_adamw`` (train.triton_kernels on CUDA,
+    see main), torch.optim.AdamW that would run fused runs as kernels.AdamW: the same update without writing the
+    clipped gradients back (TinyLlama full fine-tune on the H100: see kernels.AdamW)."""
     import importlib
 
     module_name, _, class_name = recipe.optimizer.class_path.rpartition(".")
     cls = getattr(importlib.import_module(module_name), class_name)
     params = [p for p in model.parameters() if p.requires_grad]
-    return cls(params, **optimizer_kwargs(recipe, cls, on_cuda=bool(params) and all(p.is_cuda for p in params)))
+    kwargs = optimizer_kwargs(recipe, cls, on_cuda=bool(params) and all(p.is_cuda for p in params))
+    if triton_adamw and cls is torch.optim.AdamW and kwargs.get("fused") and not kwargs.get("amsgrad"):
+        cls = kernels.AdamW
+    return cls(params, **kwargs)
 
 
 def optimizer_kwargs(recipe: Recipe, cls: type, on_cuda: bool) -> dict:
@@ -1064,7 +1083,9 @@ def optimizer_summary(optimizer) -> dict:
     optimizers: fused, foreach, or torch's own choice when neither was set: foreach for CUDA tensors)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
     defaults = inner.defaults
-    if defaults.get("fused"):
+    if isinstance(inner, kernels.AdamW):
+        implementation = TRITON_ADAMW
+    elif defaults.get("fused"):
         implementation = "fused"
     elif defaults.get("foreach"):
         implementation = "foreach"

@@ -260,6 +260,29 @@ def test_torch_optimizers_are_fused_on_cuda_unless_the_recipe_chose(tiny_recipe)
     assert "fused" not in optimizer_kwargs(eight_bit, bnb.optim.AdamW8bit, on_cuda=True)  # not torch's: left alone
 
 
+def test_fused_adamw_becomes_the_triton_step_only_where_asked(tiny_recipe):
+    """build_optimizer swaps kernels.AdamW in for torch.optim.AdamW that would run fused, when main asks (Triton
+    kernels on CUDA, whole parameters, no fp16 scaler); not for another choice of implementation, amsgrad, or
+    another optimizer. (fused=True chosen here stands for the CUDA default: the CPU leaves it to torch.)"""
+    from litft import kernels
+    from litft.finetune import build_optimizer, optimizer_summary
+
+    model = torch.nn.Linear(4, 4)
+
+    def built(triton_adamw: bool, **init_args):
+        recipe = tiny_recipe(optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, **init_args}})
+        return build_optimizer(recipe, model, triton_adamw)
+
+    triton_step = built(True, fused=True)
+    assert type(triton_step) is kernels.AdamW and triton_step.defaults["fused"]
+    assert optimizer_summary(triton_step)["implementation"] == "Triton kernel (litft.kernels.AdamW)"
+    assert type(built(False, fused=True)) is torch.optim.AdamW
+    assert type(built(True, foreach=True)) is torch.optim.AdamW
+    assert type(built(True, fused=True, amsgrad=True)) is torch.optim.AdamW
+    sgd = tiny_recipe(optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "fused": True}})
+    assert type(build_optimizer(sgd, model, True)) is torch.optim.SGD
+
+
 def test_a_run_records_which_optimizer_implementation_it_used(tiny_recipe):
     """result.json and the run's log say which implementation the optimizer's step ran: the CPU run gets torch's
     default, a CUDA run fused (test_torch_optimizers_are_fused_on_cuda_unless_the_recipe_chose)."""

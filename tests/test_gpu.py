@@ -36,10 +36,10 @@ def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
     if any(name in r["device"].lower() for name in ("h100", "h200", "a100")):
         assert 0 < r["throughput"]["mfu"] < 1
     assert next(result.model.parameters()).dtype == torch.bfloat16
-    assert r["optimizer"] == {"class": "torch.optim.adamw.AdamW", "implementation": "fused",
+    assert r["optimizer"] == {"class": "litft.kernels.AdamW", "implementation": "Triton kernel (litft.kernels.AdamW)",
                               "clipping": "norm only; the fused step divides"}
     assert r["grad_into_weights"] is True
-    assert r["triton_kernels"] == {"swiglu_rope": True, "loss": True, "residual_norms": True}
+    assert r["triton_kernels"] == {"swiglu_rope": True, "loss": True, "residual_norms": True, "adamw": True}
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "nf4-dq", "fp4"])

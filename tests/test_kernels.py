@@ -238,3 +238,68 @@ def test_kernels_take_only_cuda_tensors():
     a = torch.randn(4, 8)
     assert not kernels.available(a)
     torch.testing.assert_close(SwiGLU.apply(a, a, True), SwiGLU.apply(a, a, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm):
+    """kernels.AdamW against torch.optim.AdamW(fused=True): three steps with weight decay, a learning rate changed
+    between steps (as the scheduler does) and the same gradients (of magnitudes 1e-6 to 1), clipped through
+    grad_scale (litft's clip_gradients) or not. Equal parameters and moments (fp32: to a few units of the last
+    place; bf16: within a bf16 step), the gradients left as they were (torch's kernel writes them back divided), and
+    a state_dict that torch's AdamW loads and steps on from."""
+    import lightning as L
+
+    from litft.finetune import clip_gradients
+
+    fabric = L.Fabric(accelerator=device, devices=1)
+
+    def gradient(p, step):  # the same for both optimizers, whatever their weights became
+        g = torch.Generator().manual_seed(1000 * step + p.numel())
+        scale = 10.0 ** torch.randint(-6, 1, p.shape, generator=g)
+        return (torch.randn(p.shape, generator=g) * scale).to(device, dtype)
+
+    results = []
+    for cls in (kernels.AdamW, torch.optim.AdamW):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.Linear(300, 20)).to(device, dtype)
+        model, optimizer = fabric.setup(model, cls(model.parameters(), lr=0.01, weight_decay=0.1, fused=True))
+        for step in range(3):
+            optimizer.param_groups[0]["lr"] = 0.01 * (step + 1)
+            for p in model.parameters():
+                p.grad = gradient(p, step)
+            if max_norm is not None:
+                clip_gradients(fabric, model, optimizer, max_norm)
+            optimizer.step()
+            if cls is kernels.AdamW:  # the gradients as they were
+                assert all(torch.equal(p.grad, gradient(p, step)) for p in model.parameters())
+            optimizer.zero_grad()
+        results.append(([p.detach().clone() for p in model.parameters()], optimizer.state_dict()))
+    (params, state), (ref_params, ref_state) = results
+    # bf16: Triton's interpreter (the CPU variant) rounds fp32 to bf16 toward zero, the GPU to nearest as torch does:
+    # a bf16 step (2^-8 relative) per rounding there, over three steps
+    bf16_rtol = 3e-2 if device == "cpu" else 1e-2
+    # (moments: sums of gradients of either sign, so a rounding of the tensor's largest values is the unit)
+    check = (lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)) if dtype == torch.float32 \
+        else (lambda a, b: torch.testing.assert_close(a.float(), b.float(), rtol=bf16_rtol,
+                                                      atol=bf16_rtol * b.float().abs().max().item()))
+    for p, ref in zip(params, ref_params):
+        if dtype == torch.float32:
+            check(p, ref)
+        else:  # and weights that cross 0: a bf16 step of the ~0.25 they started from (Linear(16, .)'s init) is 2^-10
+            torch.testing.assert_close(p.float(), ref.float(), rtol=bf16_rtol, atol=1e-3)
+    for index, ref in ref_state["state"].items():
+        assert state["state"][index]["step"].item() == ref["step"].item() == 3
+        check(state["state"][index]["exp_avg"], ref["exp_avg"])
+        check(state["state"][index]["exp_avg_sq"], ref["exp_avg_sq"])
+    # the state loads into torch's AdamW, which steps on from it
+    model = torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.Linear(300, 20)).to(device, dtype)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), params):
+            p.copy_(value)
+            p.grad = gradient(p, 3)
+    torch_adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
+    torch_adamw.load_state_dict(state)
+    torch_adamw.step()
+    assert all(s["step"].item() == 4 for s in torch_adamw.state.values())
