@@ -425,6 +425,19 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-mixed-s12", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"], PREVIOUS),
         ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
     ],
+    # Issue 5, session 13, call 2: AdamW's step as kernels.AdamW (default) against torch's fused AdamW, everything else
+    # equal: out/ab is this checkout's litft/ and recipes/ with `triton_adamw = False` in finetune.main (made by the
+    # command in results/call-s13.log, carried like out/prev).
+    "adamw-ab": [
+        ("full", "tiny-llama-full", GPU + steps(24) + ["--logging.profile", "20-21"]),
+        ("full-torch-adamw", "tiny-llama-full", GPU + steps(24), AB),
+        ("lora", "tiny-llama-lora", GPU + steps(30)),
+        ("lora-torch-adamw", "tiny-llama-lora", GPU + steps(30), AB),
+        ("full-mixed", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"]),
+        ("full-mixed-torch-adamw", "tiny-llama-full", GPU + steps(24) + ["--precision", "bf16-mixed"], AB),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("full-again", "tiny-llama-full", GPU + steps(24)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
