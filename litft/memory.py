@@ -172,8 +172,9 @@ def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_
 # ----------------------------------------------------------------------------------------------------------------------
 
 _TRACE_CACHE: dict[tuple, int] = {}
-_TRACE_VERSION = 2  # part of the cache key: bumped when the trace itself changes, so older results are not reused
-# (2: the block's input in the parameters' dtype, autocast in the compute dtype: -mixed keeps fp32 norm inputs)
+_TRACE_VERSION = 3  # part of the cache key: bumped when the trace itself changes, so older results are not reused
+# (2: the block's input in the parameters' dtype, autocast in the compute dtype: -mixed keeps fp32 norm inputs;
+# 3: with Triton kernels, v out of the qkv output as its own tensor, as model.RopeQKV gives it)
 
 
 def assumes_compiled(recipe: Recipe, compiled: bool | None) -> bool:
@@ -314,6 +315,12 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
         for module in block.modules():
             if isinstance(module, RMSNorm) and "forward" in vars(module):
                 module.forward = types.MethodType(_rms_norm_as_on_cuda, module)
+    if recipe.train.triton_kernels and recipe.train.fast_attention and not compiled:
+        from litgpt.model import CausalSelfAttention
+
+        for module in block.modules():  # q, k, v out of the qkv output as on CUDA (model.RopeQKV's torch path)
+            if isinstance(module, CausalSelfAttention) and "forward" in vars(module):
+                module.triton_kernels = True
     if recipe.train.triton_kernels and recipe.train.fast_lora and not compiled:
         from litgpt.lora import LoRALayer
 

@@ -398,35 +398,50 @@ class RotaryEmbedding(torch.autograd.Function):
 
 class RopeQKV(torch.autograd.Function):
     """The qkv output (B, T, (heads + 2 groups) x head_size) split into q (B, T, heads, head_size), k and v (B, T,
-    groups, head_size), RoPE applied to q and k, in one Triton kernel each way (kernels.rope_qkv; CUDA, eager only).
-    The backward pass writes the q, k and v gradients straight into one qkv gradient. Through autograd, splitting
-    the qkv output and roping q and k (:class:`RotaryEmbedding`) puts them back with two concatenations (of q with
-    k, then of both with v): two more reads and writes of the whole qkv gradient, 2 x 22 per pass in TinyLlama."""
+    groups, head_size), RoPE applied to q and k; on CUDA in one Triton kernel each way (kernels.rope_qkv), elsewhere
+    with :class:`RotaryEmbedding`'s torch ops. The backward pass writes the q, k and v gradients straight into one qkv
+    gradient, and v leaves as its own tensor, so the attention kernel's saved v does not keep the whole qkv output
+    alive. Through autograd, splitting the qkv output and roping q and k puts the gradients back with two
+    concatenations (of q with k, then of both with v): two more reads and writes of the whole qkv gradient, 2 x 22 per
+    pass in TinyLlama; and v, a view, keeps the qkv output (TinyLlama: 2,560 values per token and block for v's 256)."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, groups: int):
         b, t, width = qkv.shape
         head_size = width // (heads + 2 * groups)
         q, k, v = qkv.view(b, t, heads + 2 * groups, head_size).split((heads, groups, groups), dim=2)
-        ctx.save_for_backward(cos, sin)
-        ctx.heads, ctx.groups = heads, groups
-        return kernels.rope_qkv(q, k, v, cos, sin)
+        ctx.groups, ctx.fused = groups, kernels.available(qkv)
+        if ctx.fused:
+            ctx.save_for_backward(cos, sin)
+            return kernels.rope_qkv(q, k, v, cos, sin)
+        half = head_size // 2
+        cos, signed_sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        ctx.save_for_backward(cos, signed_sin)
+        q, k = (torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin).to(x.dtype) for x in (q, k))
+        return q, k, v.contiguous()
 
     @staticmethod
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
-        cos, sin = ctx.saved_tensors
         b, t, heads, head_size = grad_q.shape
         grad_qkv = torch.empty(b, t, heads + 2 * ctx.groups, head_size, dtype=grad_q.dtype, device=grad_q.device)
-        kernels.rope_qkv(grad_q, grad_k, grad_v, cos, sin, transpose=True,
-                         out=grad_qkv.split((heads, ctx.groups, ctx.groups), dim=2))
+        parts = grad_qkv.split((heads, ctx.groups, ctx.groups), dim=2)
+        if ctx.fused:
+            cos, sin = ctx.saved_tensors
+            kernels.rope_qkv(grad_q, grad_k, grad_v, cos, sin, transpose=True, out=parts)
+        else:
+            cos, signed_sin = ctx.saved_tensors
+            half = head_size // 2
+            for grad, part in zip((grad_q, grad_k), parts):
+                torch.addcmul(grad * cos, grad.roll(half, dims=-1), signed_sin, value=-1, out=part)
+            parts[2].copy_(grad_v)
         return grad_qkv.view(b, t, -1), None, None, None, None
 
 
 def attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None, input_pos=None,
                       input_pos_maxp1=None) -> torch.Tensor:
     """CausalSelfAttention.forward for training Llama-style attention (train.fast_attention): RoPE on q and k
-    together as one RotaryEmbedding (q and k are adjacent columns of the qkv output), or with Triton kernels on CUDA
-    (train.triton_kernels) q, k and v out of the qkv output in one :class:`RopeQKV`; k, v left at their
+    together as one RotaryEmbedding (q and k are adjacent columns of the qkv output), or with Triton kernels
+    (train.triton_kernels, eager) q, k and v out of the qkv output in one :class:`RopeQKV`; k, v left at their
     n_query_groups heads for the kernel, where LitGPT's forward ropes q and k separately, concatenates each with its
     (empty) unroped part and repeats k and v to all heads (TinyLlama: 4 groups copied to 32 heads, each way).
     With a KV cache (generation) it is LitGPT's own forward."""
@@ -435,7 +450,7 @@ def attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     b, t, _ = x.shape
     heads, groups, head_size = self.config.n_head, self.config.n_query_groups, self.config.head_size
     qkv = self.qkv(x)
-    if self.triton_kernels and kernels.available(qkv):
+    if self.triton_kernels and not torch.compiler.is_compiling():
         q, k, v = RopeQKV.apply(qkv, cos, sin, heads, groups)
     else:
         qk, v = qkv.split(((heads + groups) * head_size, groups * head_size), dim=-1)

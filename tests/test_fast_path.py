@@ -505,6 +505,27 @@ def test_rotary_embedding_function_is_litgpts_apply_rope_with_its_gradient():
     assert torch.autograd.gradcheck(lambda t: RotaryEmbedding.apply(t, cos, sin), (x,))
 
 
+def test_rope_qkv_torch_path_splits_and_ropes_as_litgpt_with_its_gradient():
+    """model.RopeQKV off CUDA (the torch ops the memory ledger's trace runs): q and k as apply_rope gives them, v as
+    it is and its own tensor (not a view keeping the qkv output), per-row tables (packed rows); gradcheck in fp64."""
+    from litgpt.model import apply_rope, build_rope_cache
+
+    from litft.model import RopeQKV
+
+    heads, groups, head_size, t = 4, 2, 8, 12
+    cos, sin = build_rope_cache(t, head_size, device=torch.device("cpu"))
+    index = torch.stack([torch.arange(t), torch.arange(t) % 5])  # row 1: samples restarting at position 0
+    cos, sin = cos.double()[index], sin.double()[index]  # (2, T, D)
+    qkv = torch.randn(2, t, (heads + 2 * groups) * head_size, dtype=torch.float64, requires_grad=True)
+    q, k, v = RopeQKV.apply(qkv, cos, sin, heads, groups)
+    parts = qkv.view(2, t, heads + 2 * groups, head_size).split((heads, groups, groups), dim=2)
+    for roped, part in zip((q, k), parts):
+        torch.testing.assert_close(roped, apply_rope(part.transpose(1, 2), cos, sin).transpose(1, 2))
+    torch.testing.assert_close(v, parts[2])
+    assert v.untyped_storage().data_ptr() != qkv.untyped_storage().data_ptr()
+    assert torch.autograd.gradcheck(lambda x: RopeQKV.apply(x, cos, sin, heads, groups), (qkv,))
+
+
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_fast_attention_gives_litgpts_loss_and_gradients_packed_and_padded(tiny_recipe, method):
     """attention_forward (RoPE as one function, grouped k/v heads left grouped) against LitGPT's forward, on the
