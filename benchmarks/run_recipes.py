@@ -438,6 +438,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora", "tiny-llama-qlora", GPU + steps(30)),
         ("full-again", "tiny-llama-full", GPU + steps(24)),
     ],
+    # Issue 5, session 13, call 3: kernels.AdamW with its size threshold (LoRA's adapters back on torch's fused op),
+    # the recipes as shipped.
+    "s13c-tiny": [
+        ("lora", "tiny-llama-lora", GPU + steps(30)),
+        ("full", "tiny-llama-full", GPU + steps(24)),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("lora-again", "tiny-llama-lora", GPU + steps(30)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -412,17 +412,26 @@ if triton is not None:
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=inside)
 
 
+# Parameters of at least this many elements take kernels.AdamW's Triton step, smaller ones torch's fused op (one launch
+# for all of them). A Triton launch from Python costs ~40 us of host time, and the optimizer step waits on the host:
+# LoRA's ~220 small adapters, each its own launch, made a TinyLlama LoRA step 9.4 ms longer (58.0 -> 67.4 ms,
+# benchmarks/results/adamw-ab). A 1M-element bf16 parameter is 14 MB of traffic, ~5 us of GPU time at 3 TB/s;
+# TinyLlama's smallest matrix (proj, 4.2M) and everything larger took the step from 110.7 to 107.7 ms there.
+ADAMW_TRITON_MIN_NUMEL = 1 << 20
+
+
 class AdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (fused) whose step runs one Triton kernel per parameter: the same update, the same state
-    (exp_avg, exp_avg_sq, a float32 step tensor on the device: checkpoints load into either class), and the same
-    clipping hook (``grad_scale``, which the fused kernel takes from torch's GradScaler and litft's clipping sets).
+    """torch.optim.AdamW (fused) whose step runs one Triton kernel per large parameter (ADAMW_TRITON_MIN_NUMEL) and
+    torch's fused op over the rest: the same update, the same state (exp_avg, exp_avg_sq, a float32 step tensor on
+    the device: checkpoints load into either class), and the same clipping hook (``grad_scale``, which the fused
+    kernel takes from torch's GradScaler and litft's clipping sets).
 
     Why: with a grad_scale, torch's fused kernel writes every gradient back divided. A bf16 parameter then costs 16
     bytes of memory traffic per step (param, grad, two moments read; all four written) where the update needs 14
-    (the gradient only read): TinyLlama full fine-tune, 1.1e9 x 16 B = 17.6 GB, which torch's kernel ran in 8.4 ms
-    on the H100 (2.1 TB/s; benchmarks/results/s12b-tiny). Used for torch.optim.AdamW recipes under
-    train.triton_kernels on CUDA, one device or DDP (whole parameters on each rank); amsgrad, maximize, a tensor lr
-    and fp16 loss scaling (found_inf) run torch's step."""
+    (the gradient only read): TinyLlama full fine-tune, 1.1e9 x 16 B = 17.6 GB, which torch's kernel ran in 8.6 ms
+    on the H100 (2.0 TB/s), the Triton kernel in 5.7 ms (benchmarks/results/adamw-ab). Used for torch.optim.AdamW
+    recipes under train.triton_kernels on CUDA, one device or DDP (whole parameters on each rank); amsgrad,
+    maximize, a tensor lr and fp16 loss scaling (found_inf) run torch's step."""
 
     def __init__(self, params, **kwargs) -> None:
         kwargs["fused"] = True  # torch's checks for fused (CUDA floating-point parameters) and its grad_scale hook
@@ -448,11 +457,19 @@ class AdamW(torch.optim.AdamW):
                 continue
             torch._foreach_add_([self.state[p]["step"] for p in params], 1)
             beta1, beta2 = group["betas"]
+            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+            small: dict[tuple, list[torch.Tensor]] = {}
             for p in params:
                 state = self.state[p]
-                adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], grad_scale,
-                            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"])
+                if p.numel() >= ADAMW_TRITON_MIN_NUMEL and p.is_contiguous() and p.grad.is_contiguous():
+                    adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], grad_scale, **hyper)
+                else:
+                    small.setdefault((p.device, p.dtype), []).append(p)
+            for same in small.values():  # what torch's fused AdamW runs (it writes these gradients back divided)
+                states = [self.state[p] for p in same]
+                torch._fused_adamw_(same, [p.grad for p in same], [s["exp_avg"] for s in states],
+                                    [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None, **hyper)
         return None
 
 

@@ -9,6 +9,8 @@ import torch
 from litft import kernels
 from litft.model import SwiGLU
 
+_adamw_step = kernels.adamw_step_  # the kernel's launcher, before a test wraps it
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -243,17 +245,22 @@ def test_kernels_take_only_cuda_tensors():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_norm", [None, 0.05])
-def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm):
-    """kernels.AdamW against torch.optim.AdamW(fused=True): three steps with weight decay, a learning rate changed
+def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, monkeypatch):
+    """kernels.AdamW against torch.optim.AdamW(fused=True), the weights through the Triton kernel and the biases
+    through torch's fused op (the size threshold lowered): three steps with weight decay, a learning rate changed
     between steps (as the scheduler does) and the same gradients (of magnitudes 1e-6 to 1), clipped through
     grad_scale (litft's clip_gradients) or not. Equal parameters and moments (fp32: to a few units of the last
-    place; bf16: within a bf16 step), the gradients left as they were (torch's kernel writes them back divided), and
-    a state_dict that torch's AdamW loads and steps on from."""
+    place; bf16: within a bf16 step), the Triton kernel's gradients left as they were (torch's kernel writes them
+    back divided), and a state_dict that torch's AdamW loads and steps on from."""
     import lightning as L
 
     from litft.finetune import clip_gradients
 
     fabric = L.Fabric(accelerator=device, devices=1)
+    monkeypatch.setattr(kernels, "ADAMW_TRITON_MIN_NUMEL", 1000)  # the weights (4,800 and 6,000), not the biases
+    launched = []
+    monkeypatch.setattr(kernels, "adamw_step_", lambda p, *args, **kw: launched.append(p.numel()) or
+                        _adamw_step(p, *args, **kw))
 
     def gradient(p, step):  # the same for both optimizers, whatever their weights became
         g = torch.Generator().manual_seed(1000 * step + p.numel())
@@ -272,10 +279,11 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm):
             if max_norm is not None:
                 clip_gradients(fabric, model, optimizer, max_norm)
             optimizer.step()
-            if cls is kernels.AdamW:  # the gradients as they were
-                assert all(torch.equal(p.grad, gradient(p, step)) for p in model.parameters())
+            if cls is kernels.AdamW:  # the Triton kernel's gradients as they were (torch's op divides the others)
+                assert all(torch.equal(p.grad, gradient(p, step)) for p in model.parameters() if p.numel() >= 1000)
             optimizer.zero_grad()
         results.append(([p.detach().clone() for p in model.parameters()], optimizer.state_dict()))
+    assert sorted(set(launched)) == [4800, 6000] and len(launched) == 3 * 2
     (params, state), (ref_params, ref_state) = results
     # bf16: Triton's interpreter (the CPU variant) rounds fp32 to bf16 toward zero, the GPU to nearest as torch does:
     # a bf16 step (2^-8 relative) per rounding there, over three steps
