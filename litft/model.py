@@ -383,17 +383,28 @@ class RotaryEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        signed_sin = _signed_sin(sin)
         ctx.save_for_backward(cos, signed_sin)
-        return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin).to(x.dtype)
+        return _rope_by_roll(x, cos, signed_sin).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, signed_sin = ctx.saved_tensors
-        half = grad.shape[-1] // 2
-        grad_x = torch.addcmul(grad * cos, grad.roll(half, dims=-1), signed_sin, value=-1).to(grad.dtype)
-        return grad_x, None, None
+        return _rope_by_roll(grad, cos, signed_sin, transpose=True).to(grad.dtype), None, None
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """s' = (-sin1, sin2) over the last dimension's halves: rotate_half(x) sin = roll(x) s'."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope_by_roll(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, transpose: bool = False,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x cos + roll(x) s' (RoPE), or with ``transpose`` x cos - roll(x) s' (its transpose: the backward pass), in 3
+    torch kernels; into ``out`` when given."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin, value=-1 if transpose else 1,
+                         out=out)
 
 
 class RopeQKV(torch.autograd.Function):
@@ -414,10 +425,9 @@ class RopeQKV(torch.autograd.Function):
         if ctx.fused:
             ctx.save_for_backward(cos, sin)
             return kernels.rope_qkv(q, k, v, cos, sin)
-        half = head_size // 2
-        cos, signed_sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        cos, signed_sin = cos.unsqueeze(2), _signed_sin(sin).unsqueeze(2)
         ctx.save_for_backward(cos, signed_sin)
-        q, k = (torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin).to(x.dtype) for x in (q, k))
+        q, k = (_rope_by_roll(x, cos, signed_sin).to(x.dtype) for x in (q, k))
         return q, k, v.contiguous()
 
     @staticmethod
@@ -430,9 +440,8 @@ class RopeQKV(torch.autograd.Function):
             kernels.rope_qkv(grad_q, grad_k, grad_v, cos, sin, transpose=True, out=parts)
         else:
             cos, signed_sin = ctx.saved_tensors
-            half = head_size // 2
             for grad, part in zip((grad_q, grad_k), parts):
-                torch.addcmul(grad * cos, grad.roll(half, dims=-1), signed_sin, value=-1, out=part)
+                _rope_by_roll(grad, cos, signed_sin, transpose=True, out=part)
             parts[2].copy_(grad_v)
         return grad_qkv.view(b, t, -1), None, None, None, None
 
