@@ -3,7 +3,8 @@
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
 #   steps: env | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps) |
-#          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward)
+#          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward) |
+#          lora-kernels (benchmarks/lora_kernel_bench.py: LoRA's A side, fused kernels against the torch ops)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles,graph_breaks
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
@@ -35,6 +36,8 @@ for step in "$@"; do
     vs7b:*) timeout "$left" python3 benchmarks/vs_litgpt.py --out "$OUT/vs-litgpt-7b" --model open_llama_7b \
               --max-steps "${STEPS_7B:-20}" --only "${step#vs7b:}" --timeout 300 > "$OUT/vs7b-${step#vs7b:}.log" 2>&1 || status=1
             tail -40 "$OUT/vs7b-${step#vs7b:}.log" ;;
+    lora-kernels) timeout "$left" python3 benchmarks/lora_kernel_bench.py --out "$OUT/lora-kernels.md" > "$OUT/lora-kernels.log" 2>&1 || status=1
+                  tail -12 "$OUT/lora-kernels.log" ;;
     attention) timeout "$left" python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1 || status=1
                tail -20 "$OUT/attention.log" ;;
     *) echo "unknown step $step"; status=1 ;;
@@ -46,5 +49,5 @@ done
 # which would push the tracked tree plus the carried wheels over the device tool's 64 MiB once committed)
 tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' --exclude='*.pickle' \
   --exclude='*/final/tokenizer.json' --exclude='profile' . 2>/dev/null
-cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/attention.md "$OUT"/vs-litgpt/*.md "$OUT"/vs-litgpt-7b/*.md > "$RESULTS/summary.md" 2>/dev/null
+cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/attention.md "$OUT"/lora-kernels.md "$OUT"/vs-litgpt/*.md "$OUT"/vs-litgpt-7b/*.md > "$RESULTS/summary.md" 2>/dev/null
 exit $status

@@ -446,6 +446,17 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora", "tiny-llama-qlora", GPU + steps(30)),
         ("lora-again", "tiny-llama-lora", GPU + steps(30)),
     ],
+    # Issue 5, session 14, call 1: session 13's code (2abef73, carried as out/prev) beside this one's: LoRA layers as
+    # model.FusedLoRA (the dropout inside the A matmuls, kernels.lora_down / lora_down_backward; the input gradient
+    # written once). lora-micro8: passes of 4,096 positions, which the memory FusedLoRA frees may allow.
+    "s14-tiny": [
+        ("lora-s13", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("qlora-s13", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
+        ("lora-again", "tiny-llama-lora", GPU + steps(30)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

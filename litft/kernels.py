@@ -382,6 +382,191 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# ---- LoRA's down-projection with its dropout ----
+
+# The dropout mask of a LoRA layer's input x (rows, K) is a function of the seed and each element's place, the same
+# in the forward kernel and the backward kernel whatever their tiles: columns come in groups of 64, each group in 4
+# quarters of 16, and element (row, 64 g + 16 q + j) takes uniform q of the Philox call (rand4x) with counter
+# row x 16 ceil(K / 64) + 16 g + j. One Philox call per 4 elements, as kernels.dropout.
+_LORA_GROUP = 64
+_LORA_QUARTER = 16
+# Programs of the backward kernel: at least about this many per SM, so that the column groups x row splits keep
+# every SM streaming (a TinyLlama layer of K = 2,048 has 32 column groups; the H100 has 132 SMs).
+_LORA_PROGRAMS_PER_SM = 2
+
+if triton is not None:
+
+    @triton.jit
+    def _lora_uniforms(seed, rows, group, groups):
+        # the 4 uniforms of (rows, group): one per quarter, each (BLOCK_M, 16)
+        counters = rows[:, None] * (groups * 16) + group * 16 + tl.arange(0, 16)[None, :]
+        return tl.rand4x(seed, counters)
+
+    @triton.jit
+    def _lora_down_quarter(acc, x_ptr, a_ptr, rows, columns, uniform, M, K, R, stride_x, stride_a, p,
+                           BLOCK_R: tl.constexpr):
+        # acc (BLOCK_M, BLOCK_R) += keep(x[rows, columns]) @ a[:, columns]^T
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :],
+                    mask=(rows[:, None] < M) & (columns[None, :] < K), other=0.0)
+        x = tl.where(uniform >= p, x, 0.0).to(x_ptr.dtype.element_ty)
+        r = tl.arange(0, BLOCK_R)
+        a = tl.load(a_ptr + r[None, :] * stride_a + columns[:, None], mask=(r[None, :] < R) & (columns[:, None] < K),
+                    other=0.0).to(x_ptr.dtype.element_ty)
+        return acc + tl.dot(x, a)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, M, K, R, stride_x, stride_a, stride_out, p, inv_keep,
+                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+        # one program per BLOCK_M rows: out[rows] = dropout(x[rows]) @ a^T, the mask applied as x is read
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        seed = tl.load(seed_ptr)
+        groups = tl.cdiv(K, 64)
+        j = tl.arange(0, 16)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for group in range(0, groups):
+            u0, u1, u2, u3 = _lora_uniforms(seed, rows, group, groups)
+            first = group * 64 + j
+            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first, u0, M, K, R, stride_x, stride_a, p, BLOCK_R)
+            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first + 16, u1, M, K, R, stride_x, stride_a, p,
+                                     BLOCK_R)
+            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first + 32, u2, M, K, R, stride_x, stride_a, p,
+                                     BLOCK_R)
+            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first + 48, u3, M, K, R, stride_x, stride_a, p,
+                                     BLOCK_R)
+        r = tl.arange(0, BLOCK_R)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + r[None, :],
+                 (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (r[None, :] < R))
+
+    @triton.jit
+    def _lora_down_backward_quarter(acc, x_ptr, grad_in_ptr, grad_x_ptr, g, a_t, rows, columns, uniform, M, K,
+                                    stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN: tl.constexpr,
+                                    WRITE_GRAD_X: tl.constexpr):
+        # for one (BLOCK_M, 16) tile: acc (BLOCK_R, 16) += g^T @ keep(x); grad_x = grad_in + keep(g @ a) / (1 - p)
+        inside = (rows[:, None] < M) & (columns[None, :] < K)
+        keep = uniform >= p
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :], mask=inside, other=0.0)
+        x = tl.where(keep, x, 0.0).to(x_ptr.dtype.element_ty)
+        acc += tl.dot(tl.trans(g), x)
+        if WRITE_GRAD_X:
+            grad_x = tl.where(keep, tl.dot(g, a_t) * inv_keep, 0.0)
+            at = rows[:, None].to(tl.int64) * stride_grad + columns[None, :]
+            if HAS_GRAD_IN:
+                grad_x += tl.load(grad_in_ptr + at, mask=inside, other=0.0).to(tl.float32)
+            tl.store(grad_x_ptr + at, grad_x.to(grad_x_ptr.dtype.element_ty), mask=inside)
+        return acc
+
+    @triton.jit
+    def _lora_a_columns(a_ptr, columns, R, K, stride_a, dtype, BLOCK_R: tl.constexpr):
+        r = tl.arange(0, BLOCK_R)
+        return tl.load(a_ptr + r[:, None] * stride_a + columns[None, :], mask=(r[:, None] < R) & (columns[None, :] < K),
+                       other=0.0).to(dtype)
+
+    @triton.jit(do_not_specialize=["M", "rows_per_split"])
+    def _lora_down_backward_kernel(x_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, M, K, R,
+                                   stride_x, stride_a, stride_g, stride_grad, rows_per_split, p, inv_keep,
+                                   HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BLOCK_R: tl.constexpr):
+        # program (group, split): the 64 columns of one group over one split's rows. It writes those columns of the
+        # input gradient and its split's partial sum of a's gradient over them, (BLOCK_R, 64) in fp32.
+        group = tl.program_id(0)
+        split = tl.program_id(1)
+        seed = tl.load(seed_ptr)
+        groups = tl.cdiv(K, 64)
+        dtype = x_ptr.dtype.element_ty
+        first = group * 64 + tl.arange(0, 16)
+        a0 = _lora_a_columns(a_ptr, first, R, K, stride_a, dtype, BLOCK_R)
+        a1 = _lora_a_columns(a_ptr, first + 16, R, K, stride_a, dtype, BLOCK_R)
+        a2 = _lora_a_columns(a_ptr, first + 32, R, K, stride_a, dtype, BLOCK_R)
+        a3 = _lora_a_columns(a_ptr, first + 48, R, K, stride_a, dtype, BLOCK_R)
+        acc0 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
+        r = tl.arange(0, BLOCK_R)
+        start = split * rows_per_split
+        stop = tl.minimum(start + rows_per_split, M)
+        for row in range(start, stop, BLOCK_M):
+            rows = row + tl.arange(0, BLOCK_M)
+            g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :],
+                        mask=(rows[:, None] < stop) & (r[None, :] < R), other=0.0).to(dtype)
+            u0, u1, u2, u3 = _lora_uniforms(seed, rows, group, groups)
+            acc0 = _lora_down_backward_quarter(acc0, x_ptr, grad_in_ptr, grad_x_ptr, g, a0, rows, first, u0, stop, K,
+                                               stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN, WRITE_GRAD_X)
+            acc1 = _lora_down_backward_quarter(acc1, x_ptr, grad_in_ptr, grad_x_ptr, g, a1, rows, first + 16, u1,
+                                               stop, K, stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN,
+                                               WRITE_GRAD_X)
+            acc2 = _lora_down_backward_quarter(acc2, x_ptr, grad_in_ptr, grad_x_ptr, g, a2, rows, first + 32, u2,
+                                               stop, K, stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN,
+                                               WRITE_GRAD_X)
+            acc3 = _lora_down_backward_quarter(acc3, x_ptr, grad_in_ptr, grad_x_ptr, g, a3, rows, first + 48, u3,
+                                               stop, K, stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN,
+                                               WRITE_GRAD_X)
+        out = partial_ptr + split.to(tl.int64) * R * K + r[:, None] * K + first[None, :]
+        inside = (r[:, None] < R) & (first[None, :] < K)
+        tl.store(out, acc0 * inv_keep, mask=inside)
+        tl.store(out + 16, acc1 * inv_keep, mask=inside & (first[None, :] + 16 < K))
+        tl.store(out + 32, acc2 * inv_keep, mask=inside & (first[None, :] + 32 < K))
+        tl.store(out + 48, acc3 * inv_keep, mask=inside & (first[None, :] + 48 < K))
+
+
+def _lora_block_m(rows: int) -> int:
+    # rows per program of the forward kernel: 16 while that leaves fewer than ~2 programs per H100 SM, else 32
+    return 16 if rows < 8192 else 32
+
+
+def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, *, block_m: int | None = None,
+              num_warps: int = 4) -> torch.Tensor:
+    """dropout(x) @ a^T for x (rows, K) and a LoRA A matrix a (R, K), in one pass over x: the mask (drop with
+    probability p, keep scaled by 1 / (1 - p)) is drawn from Philox numbers of ``seed`` (a 1-element int64 tensor,
+    read on the device) as x is read, and neither it nor the dropped x is written. lora_down_backward draws the same
+    mask. Accumulates in fp32; returns (rows, R) in x's dtype. ``block_m`` and ``num_warps``: the launch, for
+    benchmarks/lora_kernel_bench.py."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    a = a.contiguous()
+    rows, k = x.shape
+    r = a.shape[0]
+    if rows * triton.cdiv(k, _LORA_GROUP) * _LORA_QUARTER >= 2**31:  # Philox counters are 32-bit here
+        raise ValueError(f"lora_down kernel: {rows:,} x {k:,} elements, over 2^33")
+    out = torch.empty((rows, r), dtype=x.dtype, device=x.device)
+    block_m = block_m or _lora_block_m(rows)
+    _lora_down_kernel[(triton.cdiv(rows, block_m),)](
+        x, a, out, seed, rows, k, r, x.stride(0), a.stride(0), out.stride(0), p, 1.0 / (1.0 - p),
+        BLOCK_M=block_m, BLOCK_R=max(16, _next_power_of_2(r)), num_warps=num_warps)
+    return out
+
+
+def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Tensor, p: float, seed: torch.Tensor,
+                       grad_in: torch.Tensor | None, input_grad: bool = True, *, block_m: int = 32,
+                       num_warps: int = 4, programs_per_sm: int = _LORA_PROGRAMS_PER_SM
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The backward pass of lora_down in one pass over x (and over ``grad_in``): the gradient with respect to x,
+    grad_in + dropout'(grad_after_a @ a) (the same mask), written in place over ``grad_in`` (the frozen layer's
+    input gradient: this adds the adapter's into it without a separate add) or into a new tensor when it is None,
+    or not at all without ``input_grad``; and the gradient with respect to a, grad_after_a^T @ dropout(x), in fp32
+    (rows split over programs, their partial sums added here). ``block_m``, ``num_warps``, ``programs_per_sm``: the
+    launch, for benchmarks/lora_kernel_bench.py."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    a, grad_after_a = a.contiguous(), grad_after_a.contiguous()
+    rows, k = x.shape
+    r = a.shape[0]
+    if grad_in is not None:
+        assert grad_in.shape == x.shape and grad_in.stride(-1) == 1
+    grad_x = grad_in if grad_in is not None or not input_grad else torch.empty_like(x)
+    groups = triton.cdiv(k, _LORA_GROUP)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2
+    splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(programs_per_sm * sms, groups)))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
+    splits = triton.cdiv(rows, rows_per_split)
+    partial = torch.empty((splits, r, k), dtype=torch.float32, device=x.device)
+    _lora_down_backward_kernel[(groups, splits)](
+        x, a, grad_after_a, grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed,
+        rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
+        grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p, 1.0 / (1.0 - p),
+        HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m,
+        BLOCK_R=max(16, _next_power_of_2(r)), num_warps=num_warps)
+    return grad_x if input_grad else None, partial.sum(0) if splits > 1 else partial[0]
+
+
 # ---- AdamW ----
 
 if triton is not None:

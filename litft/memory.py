@@ -172,9 +172,10 @@ def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_
 # ----------------------------------------------------------------------------------------------------------------------
 
 _TRACE_CACHE: dict[tuple, int] = {}
-_TRACE_VERSION = 3  # part of the cache key: bumped when the trace itself changes, so older results are not reused
+_TRACE_VERSION = 4  # part of the cache key: bumped when the trace itself changes, so older results are not reused
 # (2: the block's input in the parameters' dtype, autocast in the compute dtype: -mixed keeps fp32 norm inputs;
-# 3: with Triton kernels, v out of the qkv output as its own tensor, as model.RopeQKV gives it)
+# 3: with Triton kernels, v out of the qkv output as its own tensor, as model.RopeQKV gives it;
+# 4: LoRA layers as model.FusedLoRA keeps them)
 
 
 def assumes_compiled(recipe: Recipe, compiled: bool | None) -> bool:
@@ -197,7 +198,7 @@ def activation_bytes_per_token_layer(
     compiled = assumes_compiled(recipe, compiled)
     key = repr((_TRACE_VERSION, repr(config), recipe.method, recipe.precision, tuple(recipe.lora.targets),
                 recipe.lora.dropout, compiled, recipe.train.fast_lora, recipe.train.fused_rms_norm, recipe.train.fast_attention,
-                recipe.train.lean_swiglu, recipe.train.triton_kernels, torch.__version__))
+                recipe.train.lean_swiglu, recipe.train.triton_kernels, recipe.adds_grads_in_matmul, torch.__version__))
     if key not in _TRACE_CACHE:
         _TRACE_CACHE.update(_load_disk_cache())
     if key not in _TRACE_CACHE and cached_only:
@@ -283,6 +284,34 @@ class _SeededDropoutModule(torch.nn.Dropout):
         return _SeededDropoutAsOnCuda.apply(x, self.p) if self.training else x
 
 
+class _FusedLoRAAsOnCuda(torch.autograd.Function):
+    """The eager trace's stand-in for model.FusedLoRA (train.triton_kernels with train.grad_into_weights on CUDA):
+    the same output from torch ops, keeping what FusedLoRA keeps for its backward pass: the layer's input itself
+    (one tensor however many layers read it), the r-wide A output and a seed; no dropped copy, no mask."""
+
+    @staticmethod
+    def forward(ctx, x, lora_a, lora_b, linear, scale, p, parts):
+        pretrained = linear(x)
+        after_a = torch.nn.functional.dropout(x, p).mm(lora_a.t())
+        for columns, b_rows, a_columns in parts:
+            pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
+        ctx.save_for_backward(x, after_a, torch.zeros(1, dtype=torch.int64))
+        return pretrained
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
+        raise NotImplementedError("_FusedLoRAAsOnCuda is for counting saved tensors only")
+
+
+def _fused_lora_as_on_cuda(self, x: torch.Tensor) -> torch.Tensor:
+    from litft.model import _dropout_p, lora_parts
+
+    rows = x.reshape(-1, x.shape[-1])
+    out = _FusedLoRAAsOnCuda.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
+                                   lora_parts(self))
+    return out.view(*x.shape[:-1], -1)
+
+
 def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
     """One block of the recipe's architecture on the CPU with uninitialised weights, and inputs for `tokens`, with
     the layers the run uses (model.use_fast_layers; for an eager trace, rms_norm as it behaves on CUDA)."""
@@ -324,8 +353,15 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
     if recipe.train.triton_kernels and recipe.train.fast_lora and not compiled:
         from litgpt.lora import LoRALayer
 
-        for module in block.modules():  # the fast LoRA layers' dropout as on CUDA (model.SeededDropout)
-            if isinstance(module, LoRALayer) and isinstance(module.lora_dropout, torch.nn.Dropout):
+        # the fast LoRA layers as on CUDA: whole layers as model.FusedLoRA where train.grad_into_weights applies
+        # (in 16 bits), else their dropout as model.SeededDropout
+        fused = recipe.adds_grads_in_matmul and compute in (torch.bfloat16, torch.float16)
+        for module in block.modules():
+            if not (isinstance(module, LoRALayer) and "forward" in vars(module) and module.r > 0):
+                continue
+            if fused and isinstance(module.lora_dropout, (torch.nn.Dropout, torch.nn.Identity)):
+                module.forward = types.MethodType(_fused_lora_as_on_cuda, module)
+            elif isinstance(module.lora_dropout, torch.nn.Dropout):
                 module.lora_dropout = _SeededDropoutModule(module.lora_dropout.p)
     block.train()
     # the residual stream has the embedding's dtype: the parameters' (fp32 under -mixed, where each norm then keeps

@@ -623,14 +623,8 @@ class LowRankUpdate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         dropped, after_a = ctx.saved_tensors
-        lora_a, lora_b, scale = ctx.lora_a, ctx.lora_b, ctx.scale
-        if lora_b.grad is None:
-            lora_b.grad = torch.zeros_like(lora_b)
-        grad_after_a = torch.empty_like(after_a)
-        for columns, b_rows, a_columns in ctx.parts:
-            block = grad[:, columns]
-            lora_b.grad[b_rows].addmm_(block.t(), after_a[:, a_columns], alpha=scale)
-            grad_after_a[:, a_columns].addmm_(block, lora_b[b_rows], beta=0, alpha=scale)  # beta 0: not read
+        lora_a = ctx.lora_a
+        grad_after_a = _low_rank_b_backward(grad, after_a, ctx.lora_b, ctx.scale, ctx.parts)
         add_into_grad(lora_a, grad_after_a.t(), dropped)
         grad_dropped = grad_after_a.mm(lora_a) if ctx.needs_input_grad[1] else None
         return grad if ctx.needs_input_grad[0] else None, grad_dropped, None, None, None, None
@@ -656,6 +650,93 @@ class SeededDropout(torch.autograd.Function):
         return kernels.dropout(grad, ctx.p, seed), None
 
 
+def _frozen_input_grad(linear: torch.nn.Module, grad: torch.Tensor) -> torch.Tensor:
+    """grad @ W for a frozen base layer: nn.Linear's weight, or bitsandbytes' 4-bit weight dequantized as its own
+    backward pass does it (bitsandbytes.autograd MatMul4Bit: dequantize_4bit, then one matmul)."""
+    weight = linear.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is not None:
+        import bitsandbytes.functional as bnbF
+
+        return grad.mm(bnbF.dequantize_4bit(weight.data.view(-1, 1), quant_state).to(grad.dtype))
+    return grad.mm(weight.to(grad.dtype))
+
+
+class FusedLoRA(torch.autograd.Function):
+    """A whole LoRA layer, W x + s B (A dropout(x)), with its dropout inside the A matmuls (kernels.lora_down and
+    kernels.lora_down_backward, Triton) and its input gradient written once: grad @ W from cuBLAS, and the
+    adapters' share added into it by the kernel that computes A's gradient (train.triton_kernels with
+    train.grad_into_weights: one device, -true precision, CUDA).
+
+    Where LowRankUpdate after SeededDropout runs, per layer and micro-batch: the dropout (x read, the dropped copy
+    written and kept for the backward pass), A's matmul (the copy read), and backward the dropout again, two matmuls
+    over the copy and the input gradient, and autograd's add of that gradient to the frozen layer's (three more
+    passes), this reads x once forward, and x and the frozen layer's input gradient once backward, writing the sum
+    in place. It keeps x itself (often kept anyway: attention's output, which flash attention keeps; fc_1 and fc_2
+    share theirs), not a dropped copy. B's side is LowRankUpdate's: B's matmul adds into W x in place (alpha = s),
+    and B's gradient goes into .grad by the matmul. The frozen layer runs under no_grad; its input gradient is
+    :func:`_frozen_input_grad`'s."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, linear: torch.nn.Module,
+                scale: float, p: float, parts: tuple) -> torch.Tensor:
+        pretrained = linear(x)
+        seed = torch.randint(2**62, (1,), device=x.device)
+        after_a = kernels.lora_down(x, lora_a, p, seed)  # (tokens, r x parts), dropout(x) A^T
+        for columns, b_rows, a_columns in parts:
+            pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
+        ctx.save_for_backward(x, after_a, seed)
+        ctx.linear, ctx.lora_a, ctx.lora_b, ctx.scale, ctx.p, ctx.parts = linear, lora_a, lora_b, scale, p, parts
+        return pretrained
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, after_a, seed = ctx.saved_tensors
+        lora_a, lora_b, scale = ctx.lora_a, ctx.lora_b, ctx.scale
+        grad = grad.contiguous()
+        grad_after_a = _low_rank_b_backward(grad, after_a, lora_b, scale, ctx.parts)
+        input_grad = ctx.needs_input_grad[0]
+        grad_x, grad_a = kernels.lora_down_backward(
+            x, lora_a, grad_after_a, ctx.p, seed, _frozen_input_grad(ctx.linear, grad) if input_grad else None,
+            input_grad=input_grad)
+        if lora_a.grad is None:
+            lora_a.grad = grad_a.to(lora_a.dtype)
+        else:
+            lora_a.grad.add_(grad_a)
+        return grad_x, None, None, None, None, None, None
+
+
+def _low_rank_b_backward(grad: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                         parts: tuple) -> torch.Tensor:
+    """B's half of a LoRA layer's backward pass (LowRankUpdate, FusedLoRA): B's gradient added into .grad by its
+    matmuls, and the gradient with respect to the r-wide A output, returned."""
+    if lora_b.grad is None:
+        lora_b.grad = torch.zeros_like(lora_b)
+    grad_after_a = torch.empty_like(after_a)
+    for columns, b_rows, a_columns in parts:
+        block = grad[:, columns]
+        lora_b.grad[b_rows].addmm_(block.t(), after_a[:, a_columns], alpha=scale)
+        grad_after_a[:, a_columns].addmm_(block, lora_b[b_rows], beta=0, alpha=scale)  # beta 0: not read
+    return grad_after_a
+
+
+def _fused_lora_applies(self, rows: torch.Tensor) -> bool:
+    """FusedLoRA runs: train.triton_kernels and train.grad_into_weights, a training pass on CUDA in 16 bits, the
+    base layer frozen (LoRA's own setting), and the adapter's dropout an nn.Dropout."""
+    dropout = self.lora_dropout
+    bias = self.linear.bias
+    return (self.triton_kernels and self.grads_into_adapters and torch.is_grad_enabled()
+            and kernels.available(rows) and rows.dtype in (torch.bfloat16, torch.float16)
+            and isinstance(dropout, (torch.nn.Dropout, torch.nn.Identity))
+            and not self.linear.weight.requires_grad and (bias is None or not bias.requires_grad))
+
+
+def _dropout_p(self) -> float:
+    """The adapter dropout's probability, 0 outside training or for nn.Identity."""
+    dropout = self.lora_dropout
+    return dropout.p if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
+
+
 def _lora_dropout(self, rows: torch.Tensor) -> torch.Tensor:
     """The adapter's dropout: SeededDropout where train.triton_kernels applies, else the layer's own nn.Dropout."""
     dropout = self.lora_dropout
@@ -665,6 +746,25 @@ def _lora_dropout(self, rows: torch.Tensor) -> torch.Tensor:
     return dropout(rows)
 
 
+def lora_parts(layer) -> tuple:
+    """The blocks in which LowRankUpdate and FusedLoRA apply B: (output columns, rows of B, columns of the A output)
+    per adapted projection. A LoRALinear is one block; a LoRAQKVLinear one per adapted q, k, v, B's rows holding
+    the adapted projections' outputs and A's r rows each."""
+    if not hasattr(layer, "enable_lora"):  # a LoRALinear (LoRAQKVLinear's enable_lora says which of q, k, v adapt)
+        everything = slice(None)
+        return ((everything, everything, everything),)
+    q_size = layer.head_size * layer.n_head
+    kv_size = layer.head_size * layer.n_query_groups
+    parts, column, b_row, a_column = [], 0, 0, 0
+    for enabled, size in zip(layer.enable_lora, (q_size, kv_size, kv_size)):
+        if enabled:
+            parts.append((slice(column, column + size), slice(b_row, b_row + size),
+                          slice(a_column, a_column + layer.r)))
+            b_row, a_column = b_row + size, a_column + layer.r
+        column += size
+    return tuple(parts)
+
+
 def lora_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LoRALinear.forward as W x + B (s A dropout(x)): the scale s = alpha / r multiplies the r-wide product, not the
     layer's output, and the matmul with B adds into W x in place. The same function as LitGPT's
@@ -672,15 +772,18 @@ def lora_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     output (TinyLlama's adapted layers write 17,920 outputs per token and block: q, k, v 2,560, proj 2,048, fc_1 and
     fc_2 5,632 each, mlp proj 2,048), forward and backward. With ``self.grads_into_adapters`` (set by
     use_fast_layers from train.grad_into_weights) the adapters run as LowRankUpdate; with ``self.triton_kernels``
-    the dropout as SeededDropout."""
+    the dropout as SeededDropout; with both, on CUDA, the whole layer as FusedLoRA (:func:`_fused_lora_applies`)."""
     if self.r == 0 or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])  # 2-D from the start: the in-place add acts on a matmul output, not a view
+    if _fused_lora_applies(self, rows):
+        out = FusedLoRA.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
+                              lora_parts(self))
+        return out.view(*x.shape[:-1], -1)
     pretrained = self.linear(rows)
     if self.grads_into_adapters and torch.is_grad_enabled():
-        everything = slice(None)
         out = LowRankUpdate.apply(pretrained, _lora_dropout(self, rows), self.lora_A, self.lora_B, self.scaling,
-                                  ((everything, everything, everything),))
+                                  lora_parts(self))
         return out.view(*x.shape[:-1], -1)
     after_a = F.linear(_lora_dropout(self, rows), self.lora_A) * self.scaling  # (tokens, r): the scale costs nothing
     return _add_low_rank(pretrained, after_a, self.lora_B).view(*x.shape[:-1], -1)
@@ -692,24 +795,23 @@ def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     a block-diagonal B (zeros for a projection not adapted: a few hundred thousand multiply-adds per token) adds
     the adapters' outputs into the pretrained output in place, scaled on the r-wide side as in lora_linear_forward.
     Same result as LitGPT's grouped conv1d + index_copy, as plain matmuls that compile and fuse well. With
-    ``self.grads_into_adapters`` (train.grad_into_weights) LowRankUpdate applies B block by block instead."""
+    ``self.grads_into_adapters`` (train.grad_into_weights) LowRankUpdate applies B block by block instead, or the
+    whole layer runs as FusedLoRA where :func:`_fused_lora_applies`."""
     if self.r == 0 or not any(self.enable_lora) or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])
-    pretrained = self.linear(rows)
     q_size = self.head_size * self.n_head
     kv_size = self.head_size * self.n_query_groups
     if self.grads_into_adapters and torch.is_grad_enabled():
-        parts, column, b_row, a_column = [], 0, 0, 0
-        for enabled, size in zip(self.enable_lora, (q_size, kv_size, kv_size)):
-            if enabled:
-                parts.append((slice(column, column + size), slice(b_row, b_row + size),
-                              slice(a_column, a_column + self.r)))
-                b_row, a_column = b_row + size, a_column + self.r
-            column += size
+        if _fused_lora_applies(self, rows):
+            out = FusedLoRA.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
+                                  lora_parts(self))
+            return out.view(*x.shape[:-1], -1)
+        pretrained = self.linear(rows)
         out = LowRankUpdate.apply(pretrained, _lora_dropout(self, rows), self.lora_A, self.lora_B, self.scaling,
-                                  tuple(parts))
+                                  lora_parts(self))
         return out.view(*x.shape[:-1], -1)
+    pretrained = self.linear(rows)
     after_a = F.linear(_lora_dropout(self, rows), self.lora_A) * self.scaling  # (tokens, r x adapted)
     adapted = sum(self.enable_lora)
     parts = iter(self.lora_B.split(self.qkv_shapes, dim=0))

@@ -190,6 +190,67 @@ def test_low_rank_update_adds_the_same_adapter_gradients_as_autograd(tiny_recipe
         assert forward(layer, torch.randn(3, layer.linear.in_features)).grad_fn is None
 
 
+class _FixedMask(torch.nn.Module):
+    """A LoRA dropout that applies a given mask (kept elements scaled by 1 / (1 - p))."""
+
+    def __init__(self, mask: torch.Tensor, p: float) -> None:
+        super().__init__()
+        self.mask, self.p = mask, p
+
+    def forward(self, x):
+        return x * self.mask.view(x.shape) / (1 - self.p)
+
+
+@pytest.mark.parametrize("layer_kind", ["linear", "linear-nf4", "qkv-q-k-v", "qkv-k"])
+def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, layer_kind):
+    """model.FusedLoRA (the dropout inside kernels.lora_down, the input gradient written once) gives LitGPT's
+    LoRALinear / LoRAQKVLinear output and gradients (x, A, B) when LitGPT's dropout applies the mask the kernels draw
+    from the same seed; also over a 4-bit base (bitsandbytes' nf4 layer on the CPU, its input gradient through the
+    dequantized weight as bitsandbytes' own backward computes it). fp32, Triton's interpreter on the CPU."""
+    from litgpt.lora import LoRALinear
+
+    from litft import kernels
+    from litft.model import FusedLoRA, lora_parts
+
+    p = 0.3
+    torch.manual_seed(0)
+    if layer_kind.startswith("linear"):
+        layer = LoRALinear(80, 40, r=4, lora_alpha=8, lora_dropout=p)
+        layer.linear.weight.requires_grad_(False)
+        if layer_kind == "linear-nf4":
+            import bitsandbytes as bnb
+
+            quantized = bnb.nn.Linear4bit(80, 40, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+            quantized.weight = bnb.nn.Params4bit(layer.linear.weight.data.clone(), requires_grad=False,
+                                                 quant_type="nf4")
+            layer.linear = quantized.to("cpu")  # quantizes
+            assert layer.linear.weight.quant_state is not None
+    else:
+        gpt = _lora_gpt(tiny_recipe, layer_kind.split("-")[1:], dropout=p)
+        layer = gpt.transformer.h[0].attn.qkv
+    torch.nn.init.normal_(layer.lora_B, std=0.1)
+    x = torch.randn(2, 7, layer.linear.in_features, requires_grad=True)
+    weights = torch.linspace(-1, 1, layer.linear.out_features)
+
+    layer.lora_A.grad = layer.lora_B.grad = None
+    torch.manual_seed(5)
+    out = FusedLoRA.apply(x.reshape(14, -1), layer.lora_A, layer.lora_B, layer.linear, layer.scaling, p,
+                          lora_parts(layer))
+    (out * weights).square().sum().backward()
+    fused = (out.detach(), x.grad, layer.lora_A.grad, layer.lora_B.grad)
+
+    torch.manual_seed(5)
+    seed = torch.randint(2**62, (1,))  # the seed FusedLoRA drew
+    mask = kernels.lora_down(torch.ones(14, x.shape[-1]), torch.eye(x.shape[-1]), p, seed) != 0
+    assert 0 < mask.float().mean() < 1
+    layer.lora_dropout = _FixedMask(mask, p)
+    reference = layer(x).reshape(14, -1)
+    expected = (reference.detach(), *torch.autograd.grad((reference * weights).square().sum(),
+                                                         (x, layer.lora_A, layer.lora_B)))
+    for actual, wanted in zip(fused, expected):
+        torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-5)
+
+
 def test_matmul_lora_layers_keep_autocasts_dtype():
     """Under bf16 autocast (precision bf16-mixed) the adapters stay fp32 and the output is bf16: the in-place add
     takes B in the output's dtype."""

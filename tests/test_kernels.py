@@ -311,3 +311,66 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, monke
     torch_adamw.load_state_dict(state)
     torch_adamw.step()
     assert all(s["step"].item() == 4 for s in torch_adamw.state.values())
+
+
+def _lora_mask(rows: int, k: int, p: float, seed: torch.Tensor, device) -> torch.Tensor:
+    """The mask kernels.lora_down draws for a (rows, k) input: dropout(ones) @ I^T is the scaled mask itself."""
+    eye = torch.eye(k, device=device)
+    return kernels.lora_down(torch.ones(rows, k, device=device), eye, p, seed) != 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_in", ["added-in-place", "new", "no-input-grad"])
+def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
+    """kernels.lora_down is dropout(x) @ a^T, and lora_down_backward its gradients with respect to x (added in place
+    into the frozen layer's input gradient, or new, or skipped) and to a, all with the one mask the seed gives: the
+    mask drawn through an identity a. 70 rows (2 row splits of 64 on the CPU, one partly filled; 3 row tiles of 32)
+    and 80 columns (a column group of 64 and a partly masked one), an r of 12 (R padded to 16); fp32, where the
+    interpreter's dot is exact up to summation order."""
+    torch.manual_seed(0)
+    rows, k, r, p = 70, 80, 12, 0.25
+    seed = torch.tensor([987654321], device=device)
+    mask = _lora_mask(rows, k, p, seed, device)
+    assert 0.2 < 1 - mask.float().mean().item() < 0.3
+    assert torch.equal(_lora_mask(rows, k, p, seed, device), mask)
+    assert not torch.equal(_lora_mask(rows, k, p, seed + 1, device), mask)
+    x, a = torch.randn(rows, k, device=device), torch.randn(r, k, device=device)
+    dropped = x * mask / (1 - p)
+    torch.testing.assert_close(kernels.lora_down(x, a, p, seed), dropped @ a.t(), rtol=1e-5, atol=1e-4)
+
+    grad_after_a, frozen_grad = torch.randn(rows, r, device=device), torch.randn(rows, k, device=device)
+    given = frozen_grad.clone() if grad_in == "added-in-place" else None
+    grad_x, grad_a = kernels.lora_down_backward(x, a, grad_after_a, p, seed, given,
+                                                input_grad=grad_in != "no-input-grad")
+    torch.testing.assert_close(grad_a, grad_after_a.t() @ dropped, rtol=1e-5, atol=1e-4)
+    adapter_share = mask * (grad_after_a @ a) / (1 - p)
+    if grad_in == "added-in-place":
+        assert grad_x is given
+        torch.testing.assert_close(grad_x, frozen_grad + adapter_share, rtol=1e-5, atol=1e-5)
+    elif grad_in == "new":
+        torch.testing.assert_close(grad_x, adapter_share, rtol=1e-5, atol=1e-5)
+    else:
+        assert grad_x is None
+
+
+@pytest.mark.gpu
+def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
+    """At a TinyLlama layer's sizes (4,096 rows, K = 2,048 and 5,632, r x 3 = 96 for q, k, v) in bf16: the kernels
+    against torch's matmuls over the same mask, within bf16 rounding; and a mask rate of p."""
+    torch.manual_seed(0)
+    p = 0.05
+    for k, r in ((2048, 96), (5632, 32)):
+        seed = torch.tensor([4242], device="cuda")
+        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        a = (torch.randn(r, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        mask = (kernels.lora_down(torch.ones_like(x), torch.eye(k, device="cuda", dtype=torch.bfloat16), p, seed)
+                != 0)
+        assert abs((1 - mask.float().mean().item()) - p) < 0.002
+        dropped = (x.float() * mask / (1 - p))
+        _bf16_close(kernels.lora_down(x, a, p, seed), dropped @ a.float().t())
+        grad_after_a = torch.randn(4096, r, device="cuda", dtype=torch.bfloat16)
+        frozen_grad = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        grad_x, grad_a = kernels.lora_down_backward(x, a, grad_after_a, p, seed, frozen_grad.clone())
+        expected = frozen_grad.float() + mask * (grad_after_a.float() @ a.float()) / (1 - p)
+        _bf16_close(grad_x, expected)
+        torch.testing.assert_close(grad_a, grad_after_a.float().t() @ dropped, rtol=1e-3, atol=1e-2)  # exact products

@@ -1,0 +1,90 @@
+"""LoRA's A side at TinyLlama's sizes on the GPU: model.FusedLoRA's two Triton kernels (kernels.lora_down and
+kernels.lora_down_backward, the dropout drawn inside) against what LowRankUpdate after SeededDropout runs for the same
+work (the dropout kernel, cuBLAS matmuls, and autograd's add of the adapter's input gradient to the frozen layer's),
+over a few launch configurations. Times from triton.testing.do_bench (median of repeated runs, ms).
+
+    python benchmarks/lora_kernel_bench.py --out lora-kernels.md
+
+Per layer and micro-batch of M positions, the A side's shapes: q, k, v (K = 2,048, R = 3 x 32), attention's proj,
+fc_1, fc_2 and the output layer (K = 2,048, R = 32), the MLP's proj (K = 5,632, R = 32); a TinyLlama micro-batch
+runs 22, 67 and 22 of them. The table's last column weighs each shape by that count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+
+P = 0.05
+SHAPES = [("qkv", 2048, 96, 22), ("proj/fc/head", 2048, 32, 67), ("mlp proj", 5632, 32, 22)]
+
+
+def main() -> int:
+    from triton.testing import do_bench
+
+    from litft import kernels
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[2048, 4096])
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    seed = torch.tensor([1234], device="cuda")
+    lines = [f"# LoRA A side: fused kernels against dropout + cuBLAS + autograd's add ({torch.cuda.get_device_name()},"
+             f" torch {torch.__version__})", "",
+             "| M | shape (K, R) | variant | forward ms | backward ms | per micro-batch x count (ms) |",
+             "|---|---|---|---|---|---|"]
+    best: dict[tuple[int, str], tuple[float, str]] = {}
+    for rows, (name, k, r, count) in itertools.product(args.rows, SHAPES):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        a = (torch.randn(r, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        a_grad = torch.zeros_like(a)
+        g = torch.randn(rows, r, device="cuda", dtype=torch.bfloat16)
+        grad_in = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        dropped = kernels.dropout(x, P, seed)
+
+        def old_forward():
+            return kernels.dropout(x, P, seed).mm(a.t())
+
+        def old_backward():
+            a_grad.addmm_(g.t(), dropped)
+            grad_rows = kernels.dropout(g.mm(a), P, seed)
+            return grad_in + grad_rows  # autograd's accumulation of the two input gradients
+
+        variants = [("dropout + cuBLAS + add (before)", old_forward, old_backward)]
+        for block_m, warps in itertools.product((16, 32, 64), (4, 8)):
+            variants.append((f"lora_down BLOCK_M {block_m}, {warps} warps",
+                             lambda bm=block_m, w=warps: kernels.lora_down(x, a, P, seed, block_m=bm, num_warps=w),
+                             None))
+        for block_m, warps, per_sm in itertools.product((32, 64), (4, 8), (2, 4)):
+            def new_backward(bm=block_m, w=warps, s=per_sm):
+                _, grad_a = kernels.lora_down_backward(x, a, g, P, seed, grad_in, block_m=bm, num_warps=w,
+                                                       programs_per_sm=s)
+                a_grad.add_(grad_a)
+            variants.append((f"lora_down_backward BLOCK_M {block_m}, {warps} warps, {per_sm} programs/SM", None,
+                             new_backward))
+        for label, forward, backward in variants:
+            fwd = do_bench(forward, warmup=10, rep=50) if forward else None
+            bwd = do_bench(backward, warmup=10, rep=50) if backward else None
+            total = ((fwd or 0) + (bwd or 0)) * count
+            lines.append(f"| {rows} | {name} ({k}, {r}) | {label} | {'' if fwd is None else f'{fwd:.4f}'} |"
+                         f" {'' if bwd is None else f'{bwd:.4f}'} | {total:.3f} |")
+            for part, value in (("forward", fwd), ("backward", bwd)):
+                if value is not None and "before" not in label:
+                    key = (rows, f"{name} {part}")
+                    if key not in best or value < best[key][0]:
+                        best[key] = (value, label)
+    lines += ["", "Fastest fused variant per shape and direction:", ""]
+    lines += [f"- M {rows}, {what}: {label} ({value:.4f} ms)" for (rows, what), (value, label) in sorted(best.items())]
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
