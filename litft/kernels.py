@@ -385,11 +385,12 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
 # ---- LoRA's down-projection with its dropout ----
 
 # The dropout mask of a LoRA layer's input x (rows, K) is a function of the seed and each element's place, the same
-# in the forward kernel and the backward kernel whatever their tiles: columns come in groups of 64, each group in 4
-# quarters of 16, and element (row, 64 g + 16 q + j) takes uniform q of the Philox call (rand4x) with counter
-# row x 16 ceil(K / 64) + 16 g + j. One Philox call per 4 elements, as kernels.dropout.
+# in the forward kernel and the backward kernel whatever their row tiles: columns come in groups of 64, and element
+# (row, 64 g + 4 j + q) takes uniform q of the Philox call (rand4x) with counter row x 16 ceil(K / 64) + 16 g + j.
+# One Philox call per 4 elements, as kernels.dropout. Both kernels read x in (rows, 64) tiles: Triton 3.6-3.9 fail to
+# compile (an assertion in ConvertTritonGPUToLLVM) a dot over the 16-column quarter tiles that a first version read,
+# once x's row stride is known to be a multiple of 16 (seen on the H100; reproduced with triton.compile for sm_90).
 _LORA_GROUP = 64
-_LORA_QUARTER = 16
 # Programs of the backward kernel: at least about this many per SM, so that the column groups x row splits keep
 # every SM streaming (a TinyLlama layer of K = 2,048 has 32 column groups; the H100 has 132 SMs).
 _LORA_PROGRAMS_PER_SM = 2
@@ -397,116 +398,69 @@ _LORA_PROGRAMS_PER_SM = 2
 if triton is not None:
 
     @triton.jit
-    def _lora_uniforms(seed, rows, group, groups):
-        # the 4 uniforms of (rows, group): one per quarter, each (BLOCK_M, 16)
+    def _lora_keep(seed, rows, group, groups, p):
+        # the (BLOCK_M, 64) mask of column group `group`: u[row, 4 j + q] = uniform q of counter (row, group, j)
         counters = rows[:, None] * (groups * 16) + group * 16 + tl.arange(0, 16)[None, :]
-        return tl.rand4x(seed, counters)
-
-    @triton.jit
-    def _lora_down_quarter(acc, x_ptr, a_ptr, rows, columns, uniform, M, K, R, stride_x, stride_a, p,
-                           BLOCK_R: tl.constexpr):
-        # acc (BLOCK_M, BLOCK_R) += keep(x[rows, columns]) @ a[:, columns]^T
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :],
-                    mask=(rows[:, None] < M) & (columns[None, :] < K), other=0.0)
-        x = tl.where(uniform >= p, x, 0.0).to(x_ptr.dtype.element_ty)
-        r = tl.arange(0, BLOCK_R)
-        a = tl.load(a_ptr + r[None, :] * stride_a + columns[:, None], mask=(r[None, :] < R) & (columns[:, None] < K),
-                    other=0.0).to(x_ptr.dtype.element_ty)
-        return acc + tl.dot(x, a)
+        u0, u1, u2, u3 = tl.rand4x(seed, counters)
+        u = tl.join(tl.join(u0, u2), tl.join(u1, u3))  # (BLOCK_M, 16, 2, 2): [., j, a, b] = u_(2a + b)
+        return tl.reshape(u, (rows.shape[0], 64)) >= p  # uniform in [0, 1): kept with probability 1 - p
 
     @triton.jit(do_not_specialize=["M"])
     def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, M, K, R, stride_x, stride_a, stride_out, p, inv_keep,
                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
         # one program per BLOCK_M rows: out[rows] = dropout(x[rows]) @ a^T, the mask applied as x is read
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = tl.arange(0, BLOCK_R)
         seed = tl.load(seed_ptr)
         groups = tl.cdiv(K, 64)
-        j = tl.arange(0, 16)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for group in range(0, groups):
-            u0, u1, u2, u3 = _lora_uniforms(seed, rows, group, groups)
-            first = group * 64 + j
-            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first, u0, M, K, R, stride_x, stride_a, p, BLOCK_R)
-            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first + 16, u1, M, K, R, stride_x, stride_a, p,
-                                     BLOCK_R)
-            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first + 32, u2, M, K, R, stride_x, stride_a, p,
-                                     BLOCK_R)
-            acc = _lora_down_quarter(acc, x_ptr, a_ptr, rows, first + 48, u3, M, K, R, stride_x, stride_a, p,
-                                     BLOCK_R)
-        r = tl.arange(0, BLOCK_R)
+            columns = group * 64 + tl.arange(0, 64)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :],
+                        mask=(rows[:, None] < M) & (columns[None, :] < K), other=0.0)
+            x = tl.where(_lora_keep(seed, rows, group, groups, p), x, 0.0).to(x_ptr.dtype.element_ty)
+            a = tl.load(a_ptr + r[None, :] * stride_a + columns[:, None],
+                        mask=(r[None, :] < R) & (columns[:, None] < K), other=0.0).to(x_ptr.dtype.element_ty)
+            acc += tl.dot(x, a)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + r[None, :],
                  (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (r[None, :] < R))
-
-    @triton.jit
-    def _lora_down_backward_quarter(acc, x_ptr, grad_in_ptr, grad_x_ptr, g, a_t, rows, columns, uniform, M, K,
-                                    stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN: tl.constexpr,
-                                    WRITE_GRAD_X: tl.constexpr):
-        # for one (BLOCK_M, 16) tile: acc (BLOCK_R, 16) += g^T @ keep(x); grad_x = grad_in + keep(g @ a) / (1 - p)
-        inside = (rows[:, None] < M) & (columns[None, :] < K)
-        keep = uniform >= p
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :], mask=inside, other=0.0)
-        x = tl.where(keep, x, 0.0).to(x_ptr.dtype.element_ty)
-        acc += tl.dot(tl.trans(g), x)
-        if WRITE_GRAD_X:
-            grad_x = tl.where(keep, tl.dot(g, a_t) * inv_keep, 0.0)
-            at = rows[:, None].to(tl.int64) * stride_grad + columns[None, :]
-            if HAS_GRAD_IN:
-                grad_x += tl.load(grad_in_ptr + at, mask=inside, other=0.0).to(tl.float32)
-            tl.store(grad_x_ptr + at, grad_x.to(grad_x_ptr.dtype.element_ty), mask=inside)
-        return acc
-
-    @triton.jit
-    def _lora_a_columns(a_ptr, columns, R, K, stride_a, dtype, BLOCK_R: tl.constexpr):
-        r = tl.arange(0, BLOCK_R)
-        return tl.load(a_ptr + r[:, None] * stride_a + columns[None, :], mask=(r[:, None] < R) & (columns[None, :] < K),
-                       other=0.0).to(dtype)
 
     @triton.jit(do_not_specialize=["M", "rows_per_split"])
     def _lora_down_backward_kernel(x_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, M, K, R,
                                    stride_x, stride_a, stride_g, stride_grad, rows_per_split, p, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_R: tl.constexpr):
-        # program (group, split): the 64 columns of one group over one split's rows. It writes those columns of the
-        # input gradient and its split's partial sum of a's gradient over them, (BLOCK_R, 64) in fp32.
+        # program (group, split): the 64 columns of one group over one split's rows. Per (BLOCK_M, 64) tile of x:
+        # acc (BLOCK_R, 64) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the split's
+        # partial sum of a's gradient over those columns, in fp32.
         group = tl.program_id(0)
         split = tl.program_id(1)
         seed = tl.load(seed_ptr)
         groups = tl.cdiv(K, 64)
         dtype = x_ptr.dtype.element_ty
-        first = group * 64 + tl.arange(0, 16)
-        a0 = _lora_a_columns(a_ptr, first, R, K, stride_a, dtype, BLOCK_R)
-        a1 = _lora_a_columns(a_ptr, first + 16, R, K, stride_a, dtype, BLOCK_R)
-        a2 = _lora_a_columns(a_ptr, first + 32, R, K, stride_a, dtype, BLOCK_R)
-        a3 = _lora_a_columns(a_ptr, first + 48, R, K, stride_a, dtype, BLOCK_R)
-        acc0 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_R, 16), dtype=tl.float32)
+        columns = group * 64 + tl.arange(0, 64)
         r = tl.arange(0, BLOCK_R)
+        a = tl.load(a_ptr + r[:, None] * stride_a + columns[None, :], mask=(r[:, None] < R) & (columns[None, :] < K),
+                    other=0.0).to(dtype)  # (BLOCK_R, 64)
+        acc = tl.zeros((BLOCK_R, 64), dtype=tl.float32)
         start = split * rows_per_split
         stop = tl.minimum(start + rows_per_split, M)
         for row in range(start, stop, BLOCK_M):
             rows = row + tl.arange(0, BLOCK_M)
+            inside = (rows[:, None] < stop) & (columns[None, :] < K)
+            keep = _lora_keep(seed, rows, group, groups, p)
             g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :],
                         mask=(rows[:, None] < stop) & (r[None, :] < R), other=0.0).to(dtype)
-            u0, u1, u2, u3 = _lora_uniforms(seed, rows, group, groups)
-            acc0 = _lora_down_backward_quarter(acc0, x_ptr, grad_in_ptr, grad_x_ptr, g, a0, rows, first, u0, stop, K,
-                                               stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN, WRITE_GRAD_X)
-            acc1 = _lora_down_backward_quarter(acc1, x_ptr, grad_in_ptr, grad_x_ptr, g, a1, rows, first + 16, u1,
-                                               stop, K, stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN,
-                                               WRITE_GRAD_X)
-            acc2 = _lora_down_backward_quarter(acc2, x_ptr, grad_in_ptr, grad_x_ptr, g, a2, rows, first + 32, u2,
-                                               stop, K, stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN,
-                                               WRITE_GRAD_X)
-            acc3 = _lora_down_backward_quarter(acc3, x_ptr, grad_in_ptr, grad_x_ptr, g, a3, rows, first + 48, u3,
-                                               stop, K, stride_x, stride_grad, p, inv_keep, HAS_GRAD_IN,
-                                               WRITE_GRAD_X)
-        out = partial_ptr + split.to(tl.int64) * R * K + r[:, None] * K + first[None, :]
-        inside = (r[:, None] < R) & (first[None, :] < K)
-        tl.store(out, acc0 * inv_keep, mask=inside)
-        tl.store(out + 16, acc1 * inv_keep, mask=inside & (first[None, :] + 16 < K))
-        tl.store(out + 32, acc2 * inv_keep, mask=inside & (first[None, :] + 32 < K))
-        tl.store(out + 48, acc3 * inv_keep, mask=inside & (first[None, :] + 48 < K))
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :], mask=inside, other=0.0)
+            acc += tl.dot(tl.trans(g), tl.where(keep, x, 0.0).to(dtype))
+            if WRITE_GRAD_X:
+                grad_x = tl.where(keep, tl.dot(g, a) * inv_keep, 0.0)
+                at = rows[:, None].to(tl.int64) * stride_grad + columns[None, :]
+                if HAS_GRAD_IN:
+                    grad_x += tl.load(grad_in_ptr + at, mask=inside, other=0.0).to(tl.float32)
+                tl.store(grad_x_ptr + at, grad_x.to(grad_x_ptr.dtype.element_ty), mask=inside)
+        tl.store(partial_ptr + split.to(tl.int64) * R * K + r[:, None] * K + columns[None, :], acc * inv_keep,
+                 mask=(r[:, None] < R) & (columns[None, :] < K))
 
 
 def _lora_block_m(rows: int) -> int:
@@ -525,7 +479,7 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, *,
     a = a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
-    if rows * triton.cdiv(k, _LORA_GROUP) * _LORA_QUARTER >= 2**31:  # Philox counters are 32-bit here
+    if rows * triton.cdiv(k, _LORA_GROUP) * 16 >= 2**31:  # Philox counters are 32-bit here
         raise ValueError(f"lora_down kernel: {rows:,} x {k:,} elements, over 2^33")
     out = torch.empty((rows, r), dtype=x.dtype, device=x.device)
     block_m = block_m or _lora_block_m(rows)

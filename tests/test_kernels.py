@@ -374,3 +374,51 @@ def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
         expected = frozen_grad.float() + mask * (grad_after_a.float() @ a.float()) / (1 - p)
         _bf16_close(grad_x, expected)
         torch.testing.assert_close(grad_a, grad_after_a.float().t() @ dropped, rtol=1e-3, atol=1e-2)  # exact products
+
+
+_COMPILE_FOR_SM90 = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from litft import kernels
+
+def compile_for_sm90(kernel, signature, constexprs):
+    # the divisibility a real call's pointers, sizes and strides get (multiples of 16): the specialisation under which
+    # the first version of these kernels failed to compile on the H100
+    divisible = [i for i, (name, kind) in enumerate(signature.items())
+                 if kind.startswith("*") or (kind == "i32" and name not in ("M", "rows_per_split"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "M": "i32", "K": "i32",
+           "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "p": "fp32", "inv_keep": "fp32",
+           "BLOCK_M": "constexpr", "BLOCK_R": "constexpr"}
+backward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "g_ptr": "*bf16", "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16",
+            "partial_ptr": "*fp32", "seed_ptr": "*i64", "M": "i32", "K": "i32", "R": "i32", "stride_x": "i32",
+            "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p": "fp32",
+            "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
+            "BLOCK_R": "constexpr"}
+for block_r in (32, 128):
+    for block_m in (16, 32):
+        compile_for_sm90(kernels._lora_down_kernel, forward, {"BLOCK_M": block_m, "BLOCK_R": block_r})
+    for has_grad_in, write_grad_x in ((True, True), (False, True), (False, False)):
+        compile_for_sm90(kernels._lora_down_backward_kernel, backward,
+                         {"BLOCK_M": 32, "BLOCK_R": block_r, "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x})
+print("compiled")
+"""
+
+
+def test_lora_down_kernels_compile_for_sm90_as_a_real_call_specialises_them():
+    """Triton's compiler, not its interpreter (a subprocess without TRITON_INTERPRET), builds the LoRA kernels for
+    the H100 (sm_90) with the specialisations of a real call, which the CPU-only machine can do without a GPU. The
+    first version compiled in the interpreter and failed on the H100 (an assertion in Triton's LLVM lowering)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
