@@ -1,7 +1,8 @@
 """LoRA's A side at TinyLlama's sizes on the GPU: model.FusedLoRA's two Triton kernels (kernels.lora_down and
 kernels.lora_down_backward, the dropout drawn inside) against what LowRankUpdate after SeededDropout runs for the same
 work (the dropout kernel, cuBLAS matmuls, and autograd's add of the adapter's input gradient to the frozen layer's),
-over a few launch configurations. Times from triton.testing.do_bench (median of repeated runs, ms).
+over a few launch configurations. Times from triton.testing.do_bench (median of repeated runs, ms; it clears the L2
+cache before each run, so these are cold-cache times).
 
     python benchmarks/lora_kernel_bench.py --out lora-kernels.md
 
@@ -56,17 +57,18 @@ def main() -> int:
             return grad_in + grad_rows  # autograd's accumulation of the two input gradients
 
         variants = [("dropout + cuBLAS + add (before)", old_forward, old_backward)]
-        for block_m, warps in itertools.product((16, 32, 64), (4, 8)):
-            variants.append((f"lora_down BLOCK_M {block_m}, {warps} warps",
-                             lambda bm=block_m, w=warps: kernels.lora_down(x, a, P, seed, block_m=bm, num_warps=w),
+        for block_m, block_k, warps in itertools.product((16, 32), (128, 256), (4, 8)):
+            variants.append((f"lora_down BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps",
+                             lambda bm=block_m, bk=block_k, w=warps: kernels.lora_down(x, a, P, seed, block_m=bm,
+                                                                                      block_k=bk, num_warps=w),
                              None))
-        for block_m, warps, per_sm in itertools.product((32, 64), (4, 8), (2, 4)):
-            def new_backward(bm=block_m, w=warps, s=per_sm):
-                _, grad_a = kernels.lora_down_backward(x, a, g, P, seed, grad_in, block_m=bm, num_warps=w,
+        for block_m, block_k, warps, per_sm in itertools.product((32, 64), (64, 128), (4, 8), (2, 4)):
+            def new_backward(bm=block_m, bk=block_k, w=warps, s=per_sm):
+                _, grad_a = kernels.lora_down_backward(x, a, g, P, seed, grad_in, block_m=bm, block_k=bk, num_warps=w,
                                                        programs_per_sm=s)
                 a_grad.add_(grad_a)
-            variants.append((f"lora_down_backward BLOCK_M {block_m}, {warps} warps, {per_sm} programs/SM", None,
-                             new_backward))
+            variants.append((f"lora_down_backward BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps,"
+                             f" {per_sm} programs/SM", None, new_backward))
         for label, forward, backward in variants:
             fwd = do_bench(forward, warmup=10, rep=50) if forward else None
             bwd = do_bench(backward, warmup=10, rep=50) if backward else None

@@ -448,7 +448,8 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
     # Issue 5, session 14, call 1: session 13's code (2abef73, carried as out/prev) beside this one's: LoRA layers as
     # model.FusedLoRA (the dropout inside the A matmuls, kernels.lora_down / lora_down_backward; the input gradient
-    # written once). lora-micro8: passes of 4,096 positions, which the memory FusedLoRA frees may allow.
+    # written once). lora-micro8: passes of 4,096 positions, which the memory FusedLoRA frees may allow. Call 2 ran
+    # the first kernels (4-word Philox, 64-column tiles); call 3 the second (16-bit uniforms, wider tiles).
     "s14-tiny": [
         ("lora-s13", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
         ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),

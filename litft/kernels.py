@@ -385,76 +385,88 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
 # ---- LoRA's down-projection with its dropout ----
 
 # The dropout mask of a LoRA layer's input x (rows, K) is a function of the seed and each element's place, the same
-# in the forward kernel and the backward kernel whatever their row tiles: columns come in groups of 64, and element
-# (row, 64 g + 4 j + q) takes uniform q of the Philox call (rand4x) with counter row x 16 ceil(K / 64) + 16 g + j.
-# One Philox call per 4 elements, as kernels.dropout. Both kernels read x in (rows, 64) tiles: Triton 3.6-3.9 fail to
-# compile (an assertion in ConvertTritonGPUToLLVM) a dot over the 16-column quarter tiles that a first version read,
-# once x's row stride is known to be a multiple of 16 (seen on the H100; reproduced with triton.compile for sm_90).
-_LORA_GROUP = 64
-# Programs of the backward kernel: at least about this many per SM, so that the column groups x row splits keep
-# every SM streaming (a TinyLlama layer of K = 2,048 has 32 column groups; the H100 has 132 SMs).
-_LORA_PROGRAMS_PER_SM = 2
+# in the forward kernel and the backward kernel whatever their tiles: element (row, col) is kept when its 16-bit
+# uniform is at least p16 = round(p x 65,536), the uniform being one of the 8 halves of the 4 words of the Philox call
+# (randint4x) with counter row x ceil(K / 64) x 8 + col // 8 (which half: col % 8, in the order _lora_keep joins
+# them). One Philox call per 8 elements: a quarter of the random-number work of one 32-bit uniform per element, which
+# the kernels do twice (forward, and again in the backward pass). The kept probability is 1 - p16 / 65,536 (p = 0.05:
+# 0.9499970), and the kept elements are scaled by its inverse, so the expectation is x's.
+# Triton 3.6-3.9 failed to compile (an assertion in ConvertTritonGPUToLLVM, sm_90) a first version that read x in
+# 16-column tiles, once x's row stride is known to be a multiple of 16; these read tiles of 64 columns or more.
+_LORA_P_BITS = 16
+
+
+def _lora_p16(p: float) -> tuple[int, float]:
+    """The kernels' integer threshold for dropout probability p, and the scale of kept elements."""
+    p16 = round(p * (1 << _LORA_P_BITS))
+    if p > 0 and p16 == 0 or p16 >= 1 << _LORA_P_BITS:
+        raise ValueError(f"LoRA dropout {p} is outside what a 16-bit threshold draws: (2^-16, 1 - 2^-16)")
+    return p16, (1 << _LORA_P_BITS) / ((1 << _LORA_P_BITS) - p16)
+
 
 if triton is not None:
 
     @triton.jit
-    def _lora_keep(seed, rows, group, groups, p):
-        # the (BLOCK_M, 64) mask of column group `group`: u[row, 4 j + q] = uniform q of counter (row, group, j)
-        counters = rows[:, None] * (groups * 16) + group * 16 + tl.arange(0, 16)[None, :]
-        u0, u1, u2, u3 = tl.rand4x(seed, counters)
-        u = tl.join(tl.join(u0, u2), tl.join(u1, u3))  # (BLOCK_M, 16, 2, 2): [., j, a, b] = u_(2a + b)
-        return tl.reshape(u, (rows.shape[0], 64)) >= p  # uniform in [0, 1): kept with probability 1 - p
+    def _lora_keep(seed, rows, first_column, row_counters, p16, BLOCK_K: tl.constexpr):
+        # the (BLOCK_M, BLOCK_K) keep mask of columns first_column ... + BLOCK_K (first_column a multiple of 8)
+        counters = rows[:, None] * row_counters + first_column // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
+        w0, w1, w2, w3 = tl.randint4x(seed, counters)
+        halves = tl.join(tl.join(tl.join(w0 & 0xFFFF, (w0 >> 16) & 0xFFFF), tl.join(w1 & 0xFFFF, (w1 >> 16) & 0xFFFF)),
+                         tl.join(tl.join(w2 & 0xFFFF, (w2 >> 16) & 0xFFFF), tl.join(w3 & 0xFFFF, (w3 >> 16) & 0xFFFF)))
+        return tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16  # (BLOCK_M, BLOCK_K // 8, 2, 2, 2) flattened
 
     @triton.jit(do_not_specialize=["M"])
-    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, M, K, R, stride_x, stride_a, stride_out, p, inv_keep,
-                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, M, K, R, stride_x, stride_a, stride_out, p16, inv_keep,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                          PRECISION: tl.constexpr):
         # one program per BLOCK_M rows: out[rows] = dropout(x[rows]) @ a^T, the mask applied as x is read
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
         seed = tl.load(seed_ptr)
-        groups = tl.cdiv(K, 64)
+        row_counters = tl.cdiv(K, 64) * 8
+        dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for group in range(0, groups):
-            columns = group * 64 + tl.arange(0, 64)
+        for start in range(0, K, BLOCK_K):
+            columns = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :],
                         mask=(rows[:, None] < M) & (columns[None, :] < K), other=0.0)
-            x = tl.where(_lora_keep(seed, rows, group, groups, p), x, 0.0).to(x_ptr.dtype.element_ty)
+            x = tl.where(_lora_keep(seed, rows, start, row_counters, p16, BLOCK_K), x, 0.0).to(dtype)
             a = tl.load(a_ptr + r[None, :] * stride_a + columns[:, None],
-                        mask=(r[None, :] < R) & (columns[:, None] < K), other=0.0).to(x_ptr.dtype.element_ty)
-            acc += tl.dot(x, a)
+                        mask=(r[None, :] < R) & (columns[:, None] < K), other=0.0).to(dtype)
+            acc += tl.dot(x, a, input_precision=PRECISION)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + r[None, :],
                  (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (r[None, :] < R))
 
     @triton.jit(do_not_specialize=["M", "rows_per_split"])
     def _lora_down_backward_kernel(x_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, M, K, R,
-                                   stride_x, stride_a, stride_g, stride_grad, rows_per_split, p, inv_keep,
+                                   stride_x, stride_a, stride_g, stride_grad, rows_per_split, p16, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_R: tl.constexpr):
-        # program (group, split): the 64 columns of one group over one split's rows. Per (BLOCK_M, 64) tile of x:
-        # acc (BLOCK_R, 64) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the split's
-        # partial sum of a's gradient over those columns, in fp32.
-        group = tl.program_id(0)
+                                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+        # program (column block, split): BLOCK_K columns over one split's rows. Per (BLOCK_M, BLOCK_K) tile of x:
+        # acc (BLOCK_R, BLOCK_K) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the
+        # split's partial sum of a's gradient over those columns, in fp32.
         split = tl.program_id(1)
         seed = tl.load(seed_ptr)
-        groups = tl.cdiv(K, 64)
+        row_counters = tl.cdiv(K, 64) * 8
         dtype = x_ptr.dtype.element_ty
-        columns = group * 64 + tl.arange(0, 64)
+        first = tl.program_id(0) * BLOCK_K
+        columns = first + tl.arange(0, BLOCK_K)
         r = tl.arange(0, BLOCK_R)
         a = tl.load(a_ptr + r[:, None] * stride_a + columns[None, :], mask=(r[:, None] < R) & (columns[None, :] < K),
-                    other=0.0).to(dtype)  # (BLOCK_R, 64)
-        acc = tl.zeros((BLOCK_R, 64), dtype=tl.float32)
+                    other=0.0).to(dtype)  # (BLOCK_R, BLOCK_K)
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
         start = split * rows_per_split
         stop = tl.minimum(start + rows_per_split, M)
         for row in range(start, stop, BLOCK_M):
             rows = row + tl.arange(0, BLOCK_M)
             inside = (rows[:, None] < stop) & (columns[None, :] < K)
-            keep = _lora_keep(seed, rows, group, groups, p)
+            keep = _lora_keep(seed, rows, first, row_counters, p16, BLOCK_K)
             g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :],
                         mask=(rows[:, None] < stop) & (r[None, :] < R), other=0.0).to(dtype)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :], mask=inside, other=0.0)
-            acc += tl.dot(tl.trans(g), tl.where(keep, x, 0.0).to(dtype))
+            acc += tl.dot(tl.trans(g), tl.where(keep, x, 0.0).to(dtype), input_precision=PRECISION)
             if WRITE_GRAD_X:
-                grad_x = tl.where(keep, tl.dot(g, a) * inv_keep, 0.0)
+                grad_x = tl.where(keep, tl.dot(g, a, input_precision=PRECISION) * inv_keep, 0.0)
                 at = rows[:, None].to(tl.int64) * stride_grad + columns[None, :]
                 if HAS_GRAD_IN:
                     grad_x += tl.load(grad_in_ptr + at, mask=inside, other=0.0).to(tl.float32)
@@ -463,61 +475,80 @@ if triton is not None:
                  mask=(r[:, None] < R) & (columns[None, :] < K))
 
 
-def _lora_block_m(rows: int) -> int:
-    # rows per program of the forward kernel: 16 while that leaves fewer than ~2 programs per H100 SM, else 32
-    return 16 if rows < 8192 else 32
+def _lora_precision(x: torch.Tensor) -> str:
+    # fp32 inputs (the CPU tests' and a 32-true run's) multiply in fp32, as torch's matmul does by default, not tf32
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _lora_check_counters(rows: int, k: int) -> None:
+    if rows * triton.cdiv(k, 64) * 8 >= 2**31:  # Philox counters are 32-bit here
+        raise ValueError(f"LoRA dropout kernels: {rows:,} x {k:,} elements, over 2^34")
+
+
+# Launches of the two kernels (benchmarks/results/lora-kernels-*: triton.testing.do_bench on the H100 at TinyLlama's
+# shapes, 2,048 and 4,096 rows). Forward: a program per BLOCK_M rows, reading BLOCK_K columns per iteration.
+LORA_DOWN_LAUNCH = dict(block_m=16, block_k=128, num_warps=4)
+# Backward: a program per BLOCK_K columns and row split, with about programs_per_sm programs per SM in all.
+LORA_DOWN_BACKWARD_LAUNCH = dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2)
 
 
 def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, *, block_m: int | None = None,
-              num_warps: int = 4) -> torch.Tensor:
+              block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """dropout(x) @ a^T for x (rows, K) and a LoRA A matrix a (R, K), in one pass over x: the mask (drop with
-    probability p, keep scaled by 1 / (1 - p)) is drawn from Philox numbers of ``seed`` (a 1-element int64 tensor,
-    read on the device) as x is read, and neither it nor the dropped x is written. lora_down_backward draws the same
-    mask. Accumulates in fp32; returns (rows, R) in x's dtype. ``block_m`` and ``num_warps``: the launch, for
-    benchmarks/lora_kernel_bench.py."""
+    probability p, keep scaled by 1 / (1 - p); see _lora_p16) is drawn from Philox numbers of ``seed`` (a 1-element
+    int64 tensor, read on the device) as x is read, and neither it nor the dropped x is written. lora_down_backward
+    draws the same mask. Accumulates in fp32; returns (rows, R) in x's dtype. ``block_m``, ``block_k``,
+    ``num_warps``: the launch (LORA_DOWN_LAUNCH), for benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     a = a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
-    if rows * triton.cdiv(k, _LORA_GROUP) * 16 >= 2**31:  # Philox counters are 32-bit here
-        raise ValueError(f"lora_down kernel: {rows:,} x {k:,} elements, over 2^33")
+    _lora_check_counters(rows, k)
+    p16, inv_keep = _lora_p16(p)
+    launch = LORA_DOWN_LAUNCH
+    block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     out = torch.empty((rows, r), dtype=x.dtype, device=x.device)
-    block_m = block_m or _lora_block_m(rows)
     _lora_down_kernel[(triton.cdiv(rows, block_m),)](
-        x, a, out, seed, rows, k, r, x.stride(0), a.stride(0), out.stride(0), p, 1.0 / (1.0 - p),
-        BLOCK_M=block_m, BLOCK_R=max(16, _next_power_of_2(r)), num_warps=num_warps)
+        x, a, out, seed, rows, k, r, x.stride(0), a.stride(0), out.stride(0), p16, inv_keep,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x),
+        num_warps=num_warps or launch["num_warps"])
     return out
 
 
 def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Tensor, p: float, seed: torch.Tensor,
-                       grad_in: torch.Tensor | None, input_grad: bool = True, *, block_m: int = 32,
-                       num_warps: int = 4, programs_per_sm: int = _LORA_PROGRAMS_PER_SM
+                       grad_in: torch.Tensor | None, input_grad: bool = True, *, block_m: int | None = None,
+                       block_k: int | None = None, num_warps: int | None = None, programs_per_sm: int | None = None
                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The backward pass of lora_down in one pass over x (and over ``grad_in``): the gradient with respect to x,
     grad_in + dropout'(grad_after_a @ a) (the same mask), written in place over ``grad_in`` (the frozen layer's
     input gradient: this adds the adapter's into it without a separate add) or into a new tensor when it is None,
     or not at all without ``input_grad``; and the gradient with respect to a, grad_after_a^T @ dropout(x), in fp32
-    (rows split over programs, their partial sums added here). ``block_m``, ``num_warps``, ``programs_per_sm``: the
-    launch, for benchmarks/lora_kernel_bench.py."""
+    (rows split over programs, their partial sums added here). ``block_m``, ``block_k``, ``num_warps``,
+    ``programs_per_sm``: the launch (LORA_DOWN_BACKWARD_LAUNCH), for benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     a, grad_after_a = a.contiguous(), grad_after_a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
+    _lora_check_counters(rows, k)
+    p16, inv_keep = _lora_p16(p)
     if grad_in is not None:
         assert grad_in.shape == x.shape and grad_in.stride(-1) == 1
+    launch = LORA_DOWN_BACKWARD_LAUNCH
+    block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     grad_x = grad_in if grad_in is not None or not input_grad else torch.empty_like(x)
-    groups = triton.cdiv(k, _LORA_GROUP)
+    column_blocks = triton.cdiv(k, block_k)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2
-    splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(programs_per_sm * sms, groups)))
+    per_sm = programs_per_sm or launch["programs_per_sm"]
+    splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(per_sm * sms, column_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
     splits = triton.cdiv(rows, rows_per_split)
     partial = torch.empty((splits, r, k), dtype=torch.float32, device=x.device)
-    _lora_down_backward_kernel[(groups, splits)](
+    _lora_down_backward_kernel[(column_blocks, splits)](
         x, a, grad_after_a, grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed,
         rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
-        grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p, 1.0 / (1.0 - p),
-        HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m,
-        BLOCK_R=max(16, _next_power_of_2(r)), num_warps=num_warps)
+        grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p16, inv_keep,
+        HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m, BLOCK_K=block_k,
+        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), num_warps=num_warps or launch["num_warps"])
     return grad_x if input_grad else None, partial.sum(0) if splits > 1 else partial[0]
 
 

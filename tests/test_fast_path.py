@@ -241,9 +241,11 @@ def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, 
 
     torch.manual_seed(5)
     seed = torch.randint(2**62, (1,))  # the seed FusedLoRA drew
-    mask = kernels.lora_down(torch.ones(14, x.shape[-1]), torch.eye(x.shape[-1]), p, seed) != 0
+    k = x.shape[-1]
+    grad_x, _ = kernels.lora_down_backward(torch.ones(14, k), torch.ones(1, k), torch.ones(14, 1), p, seed, None)
+    mask = grad_x != 0  # the mask the kernels draw from that seed: the input gradient of dropout(x) @ ones^T
     assert 0 < mask.float().mean() < 1
-    layer.lora_dropout = _FixedMask(mask, p)
+    layer.lora_dropout = _FixedMask(mask, 1 - 1 / kernels._lora_p16(p)[1])  # the kernels' scale of kept elements
     reference = layer(x).reshape(14, -1)
     expected = (reference.detach(), *torch.autograd.grad((reference * weights).square().sum(),
                                                          (x, layer.lora_A, layer.lora_B)))

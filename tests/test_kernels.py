@@ -314,9 +314,12 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, monke
 
 
 def _lora_mask(rows: int, k: int, p: float, seed: torch.Tensor, device) -> torch.Tensor:
-    """The mask kernels.lora_down draws for a (rows, k) input: dropout(ones) @ I^T is the scaled mask itself."""
-    eye = torch.eye(k, device=device)
-    return kernels.lora_down(torch.ones(rows, k, device=device), eye, p, seed) != 0
+    """The mask the LoRA kernels draw for a (rows, k) input: the input gradient of dropout(x) @ ones^T for an
+    incoming gradient of ones is the scaled mask itself."""
+    ones = torch.ones(1, k, device=device)
+    grad_x, _ = kernels.lora_down_backward(torch.ones(rows, k, device=device), ones, torch.ones(rows, 1, device=device),
+                                           p, seed, None)
+    return grad_x != 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -334,8 +337,10 @@ def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
     assert 0.2 < 1 - mask.float().mean().item() < 0.3
     assert torch.equal(_lora_mask(rows, k, p, seed, device), mask)
     assert not torch.equal(_lora_mask(rows, k, p, seed + 1, device), mask)
+    p16, scale = kernels._lora_p16(p)
+    assert p16 == 16384 and scale == 1 / (1 - p)  # 0.25 is a multiple of 2^-16: exact
     x, a = torch.randn(rows, k, device=device), torch.randn(r, k, device=device)
-    dropped = x * mask / (1 - p)
+    dropped = x * mask * scale
     torch.testing.assert_close(kernels.lora_down(x, a, p, seed), dropped @ a.t(), rtol=1e-5, atol=1e-4)
 
     grad_after_a, frozen_grad = torch.randn(rows, r, device=device), torch.randn(rows, k, device=device)
@@ -343,7 +348,7 @@ def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
     grad_x, grad_a = kernels.lora_down_backward(x, a, grad_after_a, p, seed, given,
                                                 input_grad=grad_in != "no-input-grad")
     torch.testing.assert_close(grad_a, grad_after_a.t() @ dropped, rtol=1e-5, atol=1e-4)
-    adapter_share = mask * (grad_after_a @ a) / (1 - p)
+    adapter_share = mask * (grad_after_a @ a) * scale
     if grad_in == "added-in-place":
         assert grad_x is given
         torch.testing.assert_close(grad_x, frozen_grad + adapter_share, rtol=1e-5, atol=1e-5)
@@ -359,19 +364,20 @@ def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
     against torch's matmuls over the same mask, within bf16 rounding; and a mask rate of p."""
     torch.manual_seed(0)
     p = 0.05
+    p16, scale = kernels._lora_p16(p)
+    assert abs(p16 / 65536 - p) < 1e-5
     for k, r in ((2048, 96), (5632, 32)):
         seed = torch.tensor([4242], device="cuda")
         x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
         a = (torch.randn(r, k, device="cuda") / k**0.5).to(torch.bfloat16)
-        mask = (kernels.lora_down(torch.ones_like(x), torch.eye(k, device="cuda", dtype=torch.bfloat16), p, seed)
-                != 0)
+        mask = _lora_mask(4096, k, p, seed, "cuda")
         assert abs((1 - mask.float().mean().item()) - p) < 0.002
-        dropped = (x.float() * mask / (1 - p))
+        dropped = (x.float() * mask * scale)
         _bf16_close(kernels.lora_down(x, a, p, seed), dropped @ a.float().t())
         grad_after_a = torch.randn(4096, r, device="cuda", dtype=torch.bfloat16)
         frozen_grad = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
         grad_x, grad_a = kernels.lora_down_backward(x, a, grad_after_a, p, seed, frozen_grad.clone())
-        expected = frozen_grad.float() + mask * (grad_after_a.float() @ a.float()) / (1 - p)
+        expected = frozen_grad.float() + mask * (grad_after_a.float() @ a.float()) * scale
         _bf16_close(grad_x, expected)
         torch.testing.assert_close(grad_a, grad_after_a.float().t() @ dropped, rtol=1e-3, atol=1e-2)  # exact products
 
@@ -384,28 +390,33 @@ from triton.compiler import ASTSource
 from litft import kernels
 
 def compile_for_sm90(kernel, signature, constexprs):
+    num_warps = constexprs.pop("num_warps", 4)
     # the divisibility a real call's pointers, sizes and strides get (multiples of 16): the specialisation under which
     # the first version of these kernels failed to compile on the H100
     divisible = [i for i, (name, kind) in enumerate(signature.items())
                  if kind.startswith("*") or (kind == "i32" and name not in ("M", "rows_per_split"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "M": "i32", "K": "i32",
-           "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "p": "fp32", "inv_keep": "fp32",
-           "BLOCK_M": "constexpr", "BLOCK_R": "constexpr"}
+           "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "p16": "i32", "inv_keep": "fp32",
+           "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"}
 backward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "g_ptr": "*bf16", "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16",
             "partial_ptr": "*fp32", "seed_ptr": "*i64", "M": "i32", "K": "i32", "R": "i32", "stride_x": "i32",
-            "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p": "fp32",
+            "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
             "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
-            "BLOCK_R": "constexpr"}
-for block_r in (32, 128):
-    for block_m in (16, 32):
-        compile_for_sm90(kernels._lora_down_kernel, forward, {"BLOCK_M": block_m, "BLOCK_R": block_r})
+            "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"}
+forward_launch, backward_launch = kernels.LORA_DOWN_LAUNCH, kernels.LORA_DOWN_BACKWARD_LAUNCH
+for block_r in (16, 32, 128):
+    compile_for_sm90(kernels._lora_down_kernel, forward,
+                     {"BLOCK_M": forward_launch["block_m"], "BLOCK_K": forward_launch["block_k"], "BLOCK_R": block_r,
+                      "PRECISION": "tf32"})
     for has_grad_in, write_grad_x in ((True, True), (False, True), (False, False)):
         compile_for_sm90(kernels._lora_down_backward_kernel, backward,
-                         {"BLOCK_M": 32, "BLOCK_R": block_r, "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x})
+                         {"BLOCK_M": backward_launch["block_m"], "BLOCK_K": backward_launch["block_k"],
+                          "BLOCK_R": block_r, "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x,
+                          "PRECISION": "tf32"})
 print("compiled")
 """
 
