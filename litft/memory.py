@@ -527,6 +527,13 @@ def estimate_memory(
     parts.append(Part("logits and loss", chunk * vocab * per_logit / GIB,
                       f"{chunk:,} positions (one loss chunk) x {vocab:,} vocab x {per_logit} B"
                       + (" (Triton cross-entropy)" if recipe.train.triton_kernels else "")))
+    if qlora:
+        # bitsandbytes multiplies by a 4-bit weight through a dequantized copy in the compute dtype, made for each
+        # matmul (its backward pass's input gradient, and model.FusedLoRA's): one layer's copy is alive at a time,
+        # at the peak the output layer's, whose backward pass runs first
+        largest = max(p.numel() for n, p in frozen if n.endswith("linear.weight") or n.endswith("lm_head.weight"))
+        parts.append(Part("dequantized weight", largest * compute_bytes / GIB,
+                          f"one 4-bit layer's weight in {compute_bytes} B for its matmul ({largest / 1e6:.1f}M)"))
 
     allocated = sum(p.gib for p in parts)
     total = allocated * ALLOCATOR_OVERHEAD

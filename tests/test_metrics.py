@@ -112,6 +112,10 @@ def test_ledger_qlora_packs_linear_weights_into_4_bits():
     assert w_lora == pytest.approx((linear + embedding + norms + adapters) * 2 / GIB, rel=1e-6)
     expected = linear * _quantized_bytes_per_param("nf4-dq") + (embedding + norms + adapters) * 2
     assert w_qlora == pytest.approx(expected / GIB, rel=1e-6)
+    # bitsandbytes' dequantized copy of one layer at a time: the largest, the output layer (32,000 x 4,096), in bf16
+    copy = next(p.gib for p in estimate_memory(qlora, compiled=False).parts if p.name == "dequantized weight")
+    assert copy == pytest.approx(vocab * d * 2 / GIB, rel=1e-6)
+    assert "dequantized weight" not in [p.name for p in estimate_memory(lora, compiled=False).parts]
 
 
 def test_ledger_sgd_keeps_state_only_with_momentum(tiny):
