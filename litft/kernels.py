@@ -415,14 +415,15 @@ if triton is not None:
                          tl.join(tl.join(w2 & 0xFFFF, (w2 >> 16) & 0xFFFF), tl.join(w3 & 0xFFFF, (w3 >> 16) & 0xFFFF)))
         return tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16  # (BLOCK_M, BLOCK_K // 8, 2, 2, 2) flattened
 
-    @triton.jit(do_not_specialize=["M"])
-    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, M, K, R, stride_x, stride_a, stride_out, p16, inv_keep,
+    @triton.jit(do_not_specialize=["M", "salt"])
+    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, salt, M, K, R, stride_x, stride_a, stride_out, p16,
+                          inv_keep,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                           PRECISION: tl.constexpr):
         # one program per BLOCK_M rows: out[rows] = dropout(x[rows]) @ a^T, the mask applied as x is read
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
-        seed = tl.load(seed_ptr)
+        seed = tl.load(seed_ptr) + salt
         row_counters = tl.cdiv(K, 64) * 8
         dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -437,8 +438,8 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + r[None, :],
                  (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (r[None, :] < R))
 
-    @triton.jit(do_not_specialize=["M", "rows_per_split"])
-    def _lora_down_backward_kernel(x_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, M, K, R,
+    @triton.jit(do_not_specialize=["M", "rows_per_split", "salt"])
+    def _lora_down_backward_kernel(x_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, salt, M, K, R,
                                    stride_x, stride_a, stride_g, stride_grad, rows_per_split, p16, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
@@ -446,7 +447,7 @@ if triton is not None:
         # acc (BLOCK_R, BLOCK_K) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the
         # split's partial sum of a's gradient over those columns, in fp32.
         split = tl.program_id(1)
-        seed = tl.load(seed_ptr)
+        seed = tl.load(seed_ptr) + salt
         row_counters = tl.cdiv(K, 64) * 8
         dtype = x_ptr.dtype.element_ty
         first = tl.program_id(0) * BLOCK_K
@@ -475,6 +476,19 @@ if triton is not None:
                  mask=(r[:, None] < R) & (columns[None, :] < K))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _add_partials_kernel(partial_ptr, grad_ptr, n, splits, BLOCK: tl.constexpr):
+        # grad += the sum of `splits` fp32 partial sums, in fp32, rounded once to grad's dtype
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        total = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        for split in range(0, splits):
+            total += tl.load(partial_ptr + split * n + offsets, mask=inside, other=0.0)
+        tl.store(grad_ptr + offsets, total.to(grad_ptr.dtype.element_ty), mask=inside)
+
+
 def _lora_precision(x: torch.Tensor) -> str:
     # fp32 inputs (the CPU tests' and a 32-true run's) multiply in fp32, as torch's matmul does by default, not tf32
     return "ieee" if x.dtype == torch.float32 else "tf32"
@@ -492,11 +506,12 @@ LORA_DOWN_LAUNCH = dict(block_m=16, block_k=128, num_warps=4)
 LORA_DOWN_BACKWARD_LAUNCH = dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2)
 
 
-def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, *, block_m: int | None = None,
-              block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, salt: int = 0, *,
+              block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """dropout(x) @ a^T for x (rows, K) and a LoRA A matrix a (R, K), in one pass over x: the mask (drop with
-    probability p, keep scaled by 1 / (1 - p); see _lora_p16) is drawn from Philox numbers of ``seed`` (a 1-element
-    int64 tensor, read on the device) as x is read, and neither it nor the dropped x is written. lora_down_backward
+    probability p, keep scaled by 1 / (1 - p); see _lora_p16) is drawn from Philox numbers of ``seed`` + ``salt``
+    (``seed``: a 1-element int64 tensor, read on the device; ``salt``: an int, so that layers sharing one seed draw
+    different masks) as x is read, and neither it nor the dropped x is written. lora_down_backward
     draws the same mask. Accumulates in fp32; returns (rows, R) in x's dtype. ``block_m``, ``block_k``,
     ``num_warps``: the launch (LORA_DOWN_LAUNCH), for benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -509,22 +524,25 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, *,
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     out = torch.empty((rows, r), dtype=x.dtype, device=x.device)
     _lora_down_kernel[(triton.cdiv(rows, block_m),)](
-        x, a, out, seed, rows, k, r, x.stride(0), a.stride(0), out.stride(0), p16, inv_keep,
+        x, a, out, seed, salt, rows, k, r, x.stride(0), a.stride(0), out.stride(0), p16, inv_keep,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x),
         num_warps=num_warps or launch["num_warps"])
     return out
 
 
 def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Tensor, p: float, seed: torch.Tensor,
-                       grad_in: torch.Tensor | None, input_grad: bool = True, *, block_m: int | None = None,
-                       block_k: int | None = None, num_warps: int | None = None, programs_per_sm: int | None = None
-                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                       grad_in: torch.Tensor | None, input_grad: bool = True, grad_a: torch.Tensor | None = None,
+                       salt: int = 0, *,
+                       block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                       programs_per_sm: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The backward pass of lora_down in one pass over x (and over ``grad_in``): the gradient with respect to x,
-    grad_in + dropout'(grad_after_a @ a) (the same mask), written in place over ``grad_in`` (the frozen layer's
-    input gradient: this adds the adapter's into it without a separate add) or into a new tensor when it is None,
-    or not at all without ``input_grad``; and the gradient with respect to a, grad_after_a^T @ dropout(x), in fp32
-    (rows split over programs, their partial sums added here). ``block_m``, ``block_k``, ``num_warps``,
-    ``programs_per_sm``: the launch (LORA_DOWN_BACKWARD_LAUNCH), for benchmarks/lora_kernel_bench.py."""
+    grad_in + dropout'(grad_after_a @ a) (the same mask: the same seed and salt), written in place over ``grad_in``
+    (the frozen layer's input gradient: this adds the adapter's into it without a separate add) or into a new tensor
+    when it is None, or not at all without ``input_grad``; and the gradient with respect to a,
+    grad_after_a^T @ dropout(x), in fp32 (rows split over programs, their partial sums added here), or added into
+    ``grad_a`` (a's .grad, contiguous, any float dtype) by one more kernel, which then returns it: where torch's sum
+    and add_ run two. ``block_m``, ``block_k``, ``num_warps``, ``programs_per_sm``: the launch
+    (LORA_DOWN_BACKWARD_LAUNCH), for benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     a, grad_after_a = a.contiguous(), grad_after_a.contiguous()
     rows, k = x.shape
@@ -545,11 +563,17 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     partial = torch.empty((splits, r, k), dtype=torch.float32, device=x.device)
     _lora_down_backward_kernel[(column_blocks, splits)](
         x, a, grad_after_a, grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed,
-        rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
+        salt, rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
         grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p16, inv_keep,
         HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), num_warps=num_warps or launch["num_warps"])
-    return grad_x if input_grad else None, partial.sum(0) if splits > 1 else partial[0]
+    grad_x = grad_x if input_grad else None
+    if grad_a is None:
+        return grad_x, partial.sum(0) if splits > 1 else partial[0]
+    assert grad_a.shape == (r, k) and grad_a.is_contiguous()
+    _add_partials_kernel[(triton.cdiv(r * k, _ELEMENTWISE_BLOCK),)](partial, grad_a, r * k, splits,
+                                                                   BLOCK=_ELEMENTWISE_BLOCK, num_warps=8)
+    return grad_x, grad_a
 
 
 # ---- AdamW ----

@@ -679,14 +679,14 @@ class FusedLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, linear: torch.nn.Module,
-                scale: float, p: float, parts: tuple) -> torch.Tensor:
+                scale: float, p: float, parts: tuple, seed: torch.Tensor, salt: int) -> torch.Tensor:
         pretrained = linear(x)
-        seed = torch.randint(2**62, (1,), device=x.device)
-        after_a = kernels.lora_down(x, lora_a, p, seed)  # (tokens, r x parts), dropout(x) A^T
+        after_a = kernels.lora_down(x, lora_a, p, seed, salt)  # (tokens, r x parts), dropout(x) A^T
         for columns, b_rows, a_columns in parts:
             pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
         ctx.save_for_backward(x, after_a, seed)
         ctx.linear, ctx.lora_a, ctx.lora_b, ctx.scale, ctx.p, ctx.parts = linear, lora_a, lora_b, scale, p, parts
+        ctx.salt = salt
         return pretrained
 
     @staticmethod
@@ -696,14 +696,12 @@ class FusedLoRA(torch.autograd.Function):
         grad = grad.contiguous()
         grad_after_a = _low_rank_b_backward(grad, after_a, lora_b, scale, ctx.parts)
         input_grad = ctx.needs_input_grad[0]
-        grad_x, grad_a = kernels.lora_down_backward(
-            x, lora_a, grad_after_a, ctx.p, seed, _frozen_input_grad(ctx.linear, grad) if input_grad else None,
-            input_grad=input_grad)
         if lora_a.grad is None:
-            lora_a.grad = grad_a.to(lora_a.dtype)
-        else:
-            lora_a.grad.add_(grad_a)
-        return grad_x, None, None, None, None, None, None
+            lora_a.grad = torch.zeros_like(lora_a)
+        grad_x, _ = kernels.lora_down_backward(
+            x, lora_a, grad_after_a, ctx.p, seed, _frozen_input_grad(ctx.linear, grad) if input_grad else None,
+            input_grad=input_grad, grad_a=lora_a.grad, salt=ctx.salt)
+        return grad_x, None, None, None, None, None, None, None, None
 
 
 def _low_rank_b_backward(grad: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
@@ -718,6 +716,29 @@ def _low_rank_b_backward(grad: torch.Tensor, after_a: torch.Tensor, lora_b: torc
         lora_b.grad[b_rows].addmm_(block.t(), after_a[:, a_columns], alpha=scale)
         grad_after_a[:, a_columns].addmm_(block, lora_b[b_rows], beta=0, alpha=scale)  # beta 0: not read
     return grad_after_a
+
+
+class LoRASeeds:
+    """One dropout seed per forward pass, shared by a model's FusedLoRA layers (each adds its own salt, its index):
+    CausalLM.forward draws it, one small kernel per micro-batch where each layer drew its own (TinyLlama: 111 per
+    micro-batch, ~2 us each). Philox streams of different keys are independent, so seed + salt gives each layer its
+    own mask. A layer called outside CausalLM's training forward (no seed drawn) draws one for itself."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        """The current forward pass's seed (a 1-element int64 tensor on the device), or None."""
+
+    def draw(self, device: torch.device) -> None:
+        # below 2^62 - 2^20: the layers' salts (their index, < 2^20) keep seed + salt inside int64
+        self.tensor = torch.randint(2**62 - 2**20, (1,), device=device)
+
+
+def _lora_seed(self, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(seed, salt) for a FusedLoRA layer: the forward pass's shared seed and the layer's index, or its own seed."""
+    seeds = getattr(self, "lora_seeds", None)
+    if seeds is not None and seeds.tensor is not None and seeds.tensor.device == device:
+        return seeds.tensor, self.lora_salt
+    return torch.randint(2**62, (1,), device=device), 0
 
 
 def _fused_lora_applies(self, rows: torch.Tensor) -> bool:
@@ -778,7 +799,7 @@ def lora_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # 2-D from the start: the in-place add acts on a matmul output, not a view
     if _fused_lora_applies(self, rows):
         out = FusedLoRA.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
-                              lora_parts(self))
+                              lora_parts(self), *_lora_seed(self, rows.device))
         return out.view(*x.shape[:-1], -1)
     pretrained = self.linear(rows)
     if self.grads_into_adapters and torch.is_grad_enabled():
@@ -805,7 +826,7 @@ def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.grads_into_adapters and torch.is_grad_enabled():
         if _fused_lora_applies(self, rows):
             out = FusedLoRA.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
-                                  lora_parts(self))
+                                  lora_parts(self), *_lora_seed(self, rows.device))
             return out.view(*x.shape[:-1], -1)
         pretrained = self.linear(rows)
         out = LowRankUpdate.apply(pretrained, _lora_dropout(self, rows), self.lora_A, self.lora_B, self.scaling,
@@ -894,7 +915,12 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
     from litgpt.lora import LoRALinear, LoRAQKVLinear
     from litgpt.model import CausalSelfAttention, LLaMAMLP, RMSNorm
 
+    seeds = LoRASeeds()  # FusedLoRA's dropout seed, one per forward pass (CausalLM.forward draws it)
+    lora_layers = 0
     for module in model.modules():
+        if lora and isinstance(module, (LoRAQKVLinear, LoRALinear)):
+            module.lora_seeds, module.lora_salt = seeds, lora_layers
+            lora_layers += 1
         if swiglu and type(module).__name__ == "LLaMAMLP" and isinstance(module, LLaMAMLP):  # not its subclasses
             module.forward = types.MethodType(mlp_forward, module)
             module.triton_kernels = triton_kernels
@@ -915,6 +941,8 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
             module.forward = types.MethodType(mixed_linear_forward, module)
         elif grad_into_weights and type(module) is torch.nn.Linear:
             module.forward = types.MethodType(grad_into_weight_forward, module)
+    if lora_layers:
+        model.lora_seeds = seeds
 
 
 class CausalLM(torch.nn.Module):
@@ -988,6 +1016,11 @@ class CausalLM(torch.nn.Module):
         return normed
 
     def forward(self, input_ids, labels, positions=None, cu_seqlens=None):
+        seeds = getattr(self.gpt, "lora_seeds", None)
+        if seeds is not None:  # one dropout seed for this pass's FusedLoRA layers (on CUDA, in training)
+            seeds.tensor = None
+            if self.triton_kernels and torch.is_grad_enabled() and kernels.available(input_ids):
+                seeds.draw(input_ids.device)
         packed = Packed(cu_seqlens, self.max_seq_length) if cu_seqlens is not None else None
         hidden = self.hidden(input_ids, positions, packed)
         return chunked_lm_loss(self.gpt.lm_head, hidden, labels, self.loss_chunk, self.triton_kernels)

@@ -233,17 +233,18 @@ def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, 
     weights = torch.linspace(-1, 1, layer.linear.out_features)
 
     layer.lora_A.grad = layer.lora_B.grad = None
-    torch.manual_seed(5)
+    seed, salt = torch.tensor([2**40 + 5]), 7  # a forward pass's shared seed, and this layer's salt
     out = FusedLoRA.apply(x.reshape(14, -1), layer.lora_A, layer.lora_B, layer.linear, layer.scaling, p,
-                          lora_parts(layer))
+                          lora_parts(layer), seed, salt)
     (out * weights).square().sum().backward()
     fused = (out.detach(), x.grad, layer.lora_A.grad, layer.lora_B.grad)
 
-    torch.manual_seed(5)
-    seed = torch.randint(2**62, (1,))  # the seed FusedLoRA drew
     k = x.shape[-1]
-    grad_x, _ = kernels.lora_down_backward(torch.ones(14, k), torch.ones(1, k), torch.ones(14, 1), p, seed, None)
-    mask = grad_x != 0  # the mask the kernels draw from that seed: the input gradient of dropout(x) @ ones^T
+    ones = (torch.ones(14, k), torch.ones(1, k), torch.ones(14, 1))
+    grad_x, _ = kernels.lora_down_backward(*ones, p, seed, None, salt=salt)
+    mask = grad_x != 0  # the mask the kernels draw from that seed and salt: the input gradient of dropout(x) @ ones^T
+    other_salt, _ = kernels.lora_down_backward(*ones, p, seed, None, salt=salt + 1)
+    assert not torch.equal(other_salt != 0, mask)  # another layer of the same pass: another mask
     assert 0 < mask.float().mean() < 1
     layer.lora_dropout = _FixedMask(mask, 1 - 1 / kernels._lora_p16(p)[1])  # the kernels' scale of kept elements
     reference = layer(x).reshape(14, -1)

@@ -348,6 +348,10 @@ def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
     grad_x, grad_a = kernels.lora_down_backward(x, a, grad_after_a, p, seed, given,
                                                 input_grad=grad_in != "no-input-grad")
     torch.testing.assert_close(grad_a, grad_after_a.t() @ dropped, rtol=1e-5, atol=1e-4)
+    earlier = torch.randn(r, k, device=device)  # a .grad from earlier micro-batches: the partial sums added into it
+    into = earlier.clone()
+    kernels.lora_down_backward(x, a, grad_after_a, p, seed, None, input_grad=False, grad_a=into)
+    torch.testing.assert_close(into, earlier + grad_after_a.t() @ dropped, rtol=1e-5, atol=1e-4)
     adapter_share = mask * (grad_after_a @ a) * scale
     if grad_in == "added-in-place":
         assert grad_x is given
@@ -394,17 +398,18 @@ def compile_for_sm90(kernel, signature, constexprs):
     # the divisibility a real call's pointers, sizes and strides get (multiples of 16): the specialisation under which
     # the first version of these kernels failed to compile on the H100
     divisible = [i for i, (name, kind) in enumerate(signature.items())
-                 if kind.startswith("*") or (kind == "i32" and name not in ("M", "rows_per_split"))]
+                 if kind.startswith("*") or (kind == "i32" and name not in ("M", "rows_per_split", "salt", "p16"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "M": "i32", "K": "i32",
-           "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "p16": "i32", "inv_keep": "fp32",
-           "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"}
+forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32", "M": "i32",
+           "K": "i32", "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "p16": "i32",
+           "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr",
+           "PRECISION": "constexpr"}
 backward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "g_ptr": "*bf16", "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16",
-            "partial_ptr": "*fp32", "seed_ptr": "*i64", "M": "i32", "K": "i32", "R": "i32", "stride_x": "i32",
-            "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
+            "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "M": "i32", "K": "i32", "R": "i32",
+            "stride_x": "i32", "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
             "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
             "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"}
 forward_launch, backward_launch = kernels.LORA_DOWN_LAUNCH, kernels.LORA_DOWN_BACKWARD_LAUNCH
@@ -417,6 +422,9 @@ for block_r in (16, 32, 128):
                          {"BLOCK_M": backward_launch["block_m"], "BLOCK_K": backward_launch["block_k"],
                           "BLOCK_R": block_r, "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x,
                           "PRECISION": "tf32"})
+compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
+                                                 "splits": "i32", "BLOCK": "constexpr"},
+                 {"BLOCK": kernels._ELEMENTWISE_BLOCK, "num_warps": 8})
 print("compiled")
 """
 
