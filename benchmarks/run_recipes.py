@@ -458,6 +458,16 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
         ("lora-again", "tiny-llama-lora", GPU + steps(30)),
     ],
+    # Issue 5, session 14, call 4: the LoRA kernels with per-shape launches (lora-kernels-s14.md), one dropout seed
+    # per forward pass (model.LoRASeeds) and A's gradient added into .grad by one kernel, against session 13's code.
+    "s14b-tiny": [
+        ("lora-s13", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+        ("qlora-s13", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
+        ("lora-again", "tiny-llama-lora", GPU + steps(30)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

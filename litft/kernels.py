@@ -499,11 +499,30 @@ def _lora_check_counters(rows: int, k: int) -> None:
         raise ValueError(f"LoRA dropout kernels: {rows:,} x {k:,} elements, over 2^34")
 
 
-# Launches of the two kernels (benchmarks/results/lora-kernels-*: triton.testing.do_bench on the H100 at TinyLlama's
-# shapes, 2,048 and 4,096 rows). Forward: a program per BLOCK_M rows, reading BLOCK_K columns per iteration.
-LORA_DOWN_LAUNCH = dict(block_m=16, block_k=128, num_warps=4)
-# Backward: a program per BLOCK_K columns and row split, with about programs_per_sm programs per SM in all.
-LORA_DOWN_BACKWARD_LAUNCH = dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2)
+# Launches of the two kernels, by shape: the fastest of a sweep at TinyLlama's shapes and 2,048 rows on the H100
+# (benchmarks/results/lora-kernels-s14.md: triton.testing.do_bench, cold L2), microseconds per call:
+#   forward,  K 2,048 (q, k, v: R 96; proj, fc, head: R 32): BLOCK_M 16, BLOCK_K 128, 8 warps (27 / 15; the first
+#             version, 16-column tiles and one 32-bit uniform per element: 23 / 20; dropout + cuBLAS: 41 / 22)
+#   forward,  K 5,632 (the MLP's proj):                       BLOCK_M 16, BLOCK_K 256, 4 warps (27; before: 36)
+#   backward, R 96:                                           BLOCK_M 64, BLOCK_K 128, 8 warps (43; before: 86)
+#   backward, R 32, K 2,048:                                  BLOCK_M 32, BLOCK_K 128, 8 warps (33; before: 37)
+#   backward, R 32, K 5,632:                                  BLOCK_M 32, BLOCK_K 64, 4 warps (68; before: 75)
+# ("before": the dropout kernel, cuBLAS and, backward, autograd's add of the input gradients.) The backward pass
+# runs about 2 programs per SM (column blocks x row splits).
+
+
+def _lora_down_launch(k: int) -> dict:
+    if k > 4096:
+        return dict(block_m=16, block_k=256, num_warps=4)
+    return dict(block_m=16, block_k=128, num_warps=8)
+
+
+def _lora_down_backward_launch(k: int, r: int) -> dict:
+    if r > 32:
+        return dict(block_m=64, block_k=128, num_warps=8, programs_per_sm=2)
+    if k > 4096:
+        return dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2)
+    return dict(block_m=32, block_k=128, num_warps=8, programs_per_sm=2)
 
 
 def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, salt: int = 0, *,
@@ -513,14 +532,14 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
     (``seed``: a 1-element int64 tensor, read on the device; ``salt``: an int, so that layers sharing one seed draw
     different masks) as x is read, and neither it nor the dropped x is written. lora_down_backward
     draws the same mask. Accumulates in fp32; returns (rows, R) in x's dtype. ``block_m``, ``block_k``,
-    ``num_warps``: the launch (LORA_DOWN_LAUNCH), for benchmarks/lora_kernel_bench.py."""
+    ``num_warps``: the launch (else :func:`_lora_down_launch`'s), for benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     a = a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
     _lora_check_counters(rows, k)
     p16, inv_keep = _lora_p16(p)
-    launch = LORA_DOWN_LAUNCH
+    launch = _lora_down_launch(k)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     out = torch.empty((rows, r), dtype=x.dtype, device=x.device)
     _lora_down_kernel[(triton.cdiv(rows, block_m),)](
@@ -542,7 +561,7 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     grad_after_a^T @ dropout(x), in fp32 (rows split over programs, their partial sums added here), or added into
     ``grad_a`` (a's .grad, contiguous, any float dtype) by one more kernel, which then returns it: where torch's sum
     and add_ run two. ``block_m``, ``block_k``, ``num_warps``, ``programs_per_sm``: the launch
-    (LORA_DOWN_BACKWARD_LAUNCH), for benchmarks/lora_kernel_bench.py."""
+    (else :func:`_lora_down_backward_launch`'s), for benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     a, grad_after_a = a.contiguous(), grad_after_a.contiguous()
     rows, k = x.shape
@@ -551,7 +570,7 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     p16, inv_keep = _lora_p16(p)
     if grad_in is not None:
         assert grad_in.shape == x.shape and grad_in.stride(-1) == 1
-    launch = LORA_DOWN_BACKWARD_LAUNCH
+    launch = _lora_down_backward_launch(k, r)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     grad_x = grad_in if grad_in is not None or not input_grad else torch.empty_like(x)
     column_blocks = triton.cdiv(k, block_k)
