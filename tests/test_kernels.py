@@ -429,7 +429,7 @@ for k, block_r in ((2048, 16), (2048, 32), (2048, 128), (5632, 32)):  # every la
                           "num_warps": launch["num_warps"]})
 compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
                                                  "splits": "i32", "BLOCK": "constexpr"},
-                 {"BLOCK": kernels._ELEMENTWISE_BLOCK, "num_warps": 8})
+                 {"BLOCK": kernels._PARTIALS_BLOCK, "num_warps": 4})
 print("compiled")
 """
 
