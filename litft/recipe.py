@@ -227,7 +227,9 @@ class TrainConfig:
     """Eager runs on CUDA: SwiGLU (with lean_swiglu), RoPE (with fast_attention), the loss's cross-entropy and LoRA's
     dropout (with fast_lora) as Triton kernels (litft.kernels), where torch runs 2 + 4, 3 + 3 and ~4 + 4 kernels that
     each read and write whole activations (the loss: fp32 copies of the logits) and keeps a 1-byte mask per dropped
-    element (the kernel keeps a seed and draws the mask again); and torch.optim.AdamW's fused step as
+    element (the kernel keeps a seed and draws the mask again; with grad_into_weights, each LoRA layer runs as
+    model.FusedLoRA: the dropout drawn inside A's matmul kernels, no dropped copy written or kept, and the layer's
+    input gradient written once); and torch.optim.AdamW's fused step as
     litft.kernels.AdamW (one device or DDP), the same update without writing the clipped gradients back. The same
     arithmetic in fp32, rounded once; dropout with the same distribution, not torch's draws. Triton compiles them in
     seconds on the first step (cached on disk); compiled blocks fuse SwiGLU and RoPE themselves (the loss's and
