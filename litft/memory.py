@@ -43,6 +43,11 @@ GIB = 2**30
 # Reserved / allocated at the peak: 1.06 to 1.19 on the H100 runs of benchmarks/results/ledger.md (TinyLlama full
 # bf16-true 1.08, bf16-mixed 1.06, OpenLLaMA-7B LoRA 1.19, QLoRA 1.11); the middle of that range.
 ALLOCATOR_OVERHEAD = 1.10
+# QLoRA's, since CUDA graphs and the Triton kernels: 1.20 to 1.25 on the H100 (TinyLlama 1.22 in session 12's
+# s12b-tiny, 1.25 in s13-tiny, 1.21 in vs-litgpt-tiny-lora-qlora-s14; OpenLLaMA-7B 1.20 in defaults-7b-s13 and -s14).
+# bitsandbytes' dequantized weight copies, one per 4-bit matmul and of every layer's size, are freed and made again
+# inside each captured graph's memory pool, which keeps more cached blocks than the plain runs do.
+ALLOCATOR_OVERHEAD_QLORA = 1.20
 # CUDA context + cuBLAS/cuDNN workspaces: on the GPU but outside torch's reserved figure (measured: device used
 # minus torch reserved on an otherwise idle H100, benchmarks/).
 CUDA_CONTEXT_GIB = 0.5
@@ -92,6 +97,8 @@ class MemoryEstimate:
     tokens: int
     """Tokens per micro-batch the activations were sized for (micro_batch_size x max_seq_length)."""
     notes: list[str] = field(default_factory=list)
+    allocator_overhead: float = ALLOCATOR_OVERHEAD
+    """The reserved / allocated factor applied (ALLOCATOR_OVERHEAD, or ALLOCATOR_OVERHEAD_QLORA)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -103,7 +110,8 @@ class MemoryEstimate:
         rows = [f"  {p.name:<{width}}  {p.gib:8.2f} GiB   {p.detail}" for p in self.parts]
         rows += [
             f"  {'= peak allocated':<{width}}  {self.allocated_gib:8.2f} GiB",
-            f"  {'= peak reserved':<{width}}  {self.total_gib:8.2f} GiB   (x{ALLOCATOR_OVERHEAD} allocator overhead)",
+            f"  {'= peak reserved':<{width}}  {self.total_gib:8.2f} GiB"
+            f"   (x{self.allocator_overhead} allocator overhead)",
             f"  {'+ CUDA context':<{width}}  {self.device_gib:8.2f} GiB   on the device (context ~{CUDA_CONTEXT_GIB} GiB)",
         ]
         return rows
@@ -536,7 +544,8 @@ def estimate_memory(
                           f"one 4-bit layer's weight in {compute_bytes} B for its matmul ({largest / 1e6:.1f}M)"))
 
     allocated = sum(p.gib for p in parts)
-    total = allocated * ALLOCATOR_OVERHEAD
+    overhead = ALLOCATOR_OVERHEAD_QLORA if qlora else ALLOCATOR_OVERHEAD
+    total = allocated * overhead
     notes = []
     if recipe.grad_accum == 1 and recipe.method == "full":
         notes.append("accumulation 1: gradients and a micro-batch's activations overlap only in part; the ledger"
@@ -555,6 +564,7 @@ def estimate_memory(
         activations_per_token_layer=per_token_layer,
         tokens=tokens,
         notes=notes,
+        allocator_overhead=overhead,
     )
 
 

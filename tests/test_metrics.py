@@ -4,7 +4,9 @@ the memory ledger's parts for full, LoRA, QLoRA and SGD."""
 import pytest
 import torch
 
-from litft.memory import GIB, _quantized_bytes_per_param, estimate_memory
+from litft.memory import (
+    ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_QLORA, GIB, _quantized_bytes_per_param, estimate_memory,
+)
 from litft.metrics import FlopModel, StepRecord, Throughput, peak_flops, snapshot_pools
 from litft.recipe import load_recipe
 
@@ -116,6 +118,11 @@ def test_ledger_qlora_packs_linear_weights_into_4_bits():
     copy = next(p.gib for p in estimate_memory(qlora, compiled=False).parts if p.name == "dequantized weight")
     assert copy == pytest.approx(vocab * d * 2 / GIB, rel=1e-6)
     assert "dequantized weight" not in [p.name for p in estimate_memory(lora, compiled=False).parts]
+    # reserved / allocated: QLoRA's measured factor (memory.ALLOCATOR_OVERHEAD_QLORA), the general one for LoRA
+    for recipe, factor in ((qlora, ALLOCATOR_OVERHEAD_QLORA), (lora, ALLOCATOR_OVERHEAD)):
+        estimate = estimate_memory(recipe, compiled=False)
+        assert estimate.allocator_overhead == factor
+        assert estimate.total_gib == pytest.approx(estimate.allocated_gib * factor)
 
 
 def test_ledger_sgd_keeps_state_only_with_momentum(tiny):
