@@ -8,6 +8,8 @@ outputs once, in fp32 arithmetic rounded once to the output dtype:
 - the residual stream's add with the RMSNorm after it: 2 kernels forward, 3 backward;
 - the loss's cross-entropy on 16-bit logits: torch's makes fp32 copies of the logits each way;
 - LoRA's dropout, its mask drawn again from a seed in the backward pass instead of kept (1 byte per element);
+- LoRA's A side with its dropout (model.FusedLoRA): x @ A^T with the mask drawn as x is read, and backward A's
+  gradient and the adapter's input gradient added into the frozen layer's, in one pass over x each way;
 - AdamW's step, without the write-back of clipped gradients that torch's fused kernel does (:class:`AdamW`).
 
 Why: in an eager step every torch op is its own kernel, and each reads and writes whole activations. On the H100
