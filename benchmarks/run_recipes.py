@@ -43,6 +43,17 @@ def steps(n: int) -> list[str]:
 
 
 # name -> list of (run name, recipe, overrides)
+# Session 14's LoRA runs: session 13's code (out/prev) beside this checkout's, for LoRA and QLoRA, and LoRA at micro
+# batch 8 (sets s14-tiny and s14b-tiny, each run at a different commit: results/call-s14.log).
+S14_LORA_RUNS = [
+    ("lora-s13", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
+    ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ("qlora-s13", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
+    ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+    ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
+    ("lora-again", "tiny-llama-lora", GPU + steps(30)),
+]
+
 SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     # Issue 2: the three TinyLlama recipes run 20+ steps on the GPU with random weights.
     "issue2-tinyllama": [
@@ -446,28 +457,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora", "tiny-llama-qlora", GPU + steps(30)),
         ("lora-again", "tiny-llama-lora", GPU + steps(30)),
     ],
-    # Issue 5, session 14, call 1: session 13's code (2abef73, carried as out/prev) beside this one's: LoRA layers as
-    # model.FusedLoRA (the dropout inside the A matmuls, kernels.lora_down / lora_down_backward; the input gradient
+    # Issue 5, session 14, calls 1-3: session 13's code (2abef73, carried as out/prev) beside this one's: LoRA layers
+    # as model.FusedLoRA (the dropout inside the A matmuls, kernels.lora_down / lora_down_backward; the input gradient
     # written once). lora-micro8: passes of 4,096 positions, which the memory FusedLoRA frees may allow. Call 2 ran
     # the first kernels (4-word Philox, 64-column tiles); call 3 the second (16-bit uniforms, wider tiles).
-    "s14-tiny": [
-        ("lora-s13", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
-        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
-        ("qlora-s13", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
-        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
-        ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
-        ("lora-again", "tiny-llama-lora", GPU + steps(30)),
-    ],
-    # Issue 5, session 14, call 4: the LoRA kernels with per-shape launches (lora-kernels-s14.md), one dropout seed
-    # per forward pass (model.LoRASeeds) and A's gradient added into .grad by one kernel, against session 13's code.
-    "s14b-tiny": [
-        ("lora-s13", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
-        ("lora", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
-        ("qlora-s13", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
-        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
-        ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
-        ("lora-again", "tiny-llama-lora", GPU + steps(30)),
-    ],
+    "s14-tiny": S14_LORA_RUNS,
+    # Issue 5, session 14, call 4: the same runs with the LoRA kernels' per-shape launches (lora-kernels-s14.md), one
+    # dropout seed per forward pass (model.LoRASeeds) and A's gradient added into .grad by one kernel.
+    "s14b-tiny": S14_LORA_RUNS,
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

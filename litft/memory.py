@@ -299,12 +299,11 @@ class _FusedLoRAAsOnCuda(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, linear, scale, p, parts):
-        pretrained = linear(x)
+        from litft.model import add_low_rank_parts_
+
         after_a = torch.nn.functional.dropout(x, p).mm(lora_a.t())
-        for columns, b_rows, a_columns in parts:
-            pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
         ctx.save_for_backward(x, after_a, torch.zeros(1, dtype=torch.int64))
-        return pretrained
+        return add_low_rank_parts_(linear(x), after_a, lora_b, scale, parts)
 
     @staticmethod
     def backward(ctx, grad):  # pragma: no cover - the trace never runs backward
@@ -475,7 +474,9 @@ def estimate_memory(
     parts: list[Part] = []
     # weights
     if qlora:
-        linear_frozen = sum(p.numel() for n, p in frozen if n.endswith("linear.weight") or n.endswith("lm_head.weight"))
+        # the 4-bit layers: LoRA's base linears and the output layer
+        quantized = [p.numel() for n, p in frozen if n.endswith("linear.weight") or n.endswith("lm_head.weight")]
+        linear_frozen = sum(quantized)
         other_frozen = n_frozen - linear_frozen
         q = _quantized_bytes_per_param(recipe.quantize)
         weights = linear_frozen * q + other_frozen * pbytes + n_trainable * pbytes
@@ -539,7 +540,7 @@ def estimate_memory(
         # bitsandbytes multiplies by a 4-bit weight through a dequantized copy in the compute dtype, made for each
         # matmul (its backward pass's input gradient, and model.FusedLoRA's): one layer's copy is alive at a time,
         # at the peak the output layer's, whose backward pass runs first
-        largest = max(p.numel() for n, p in frozen if n.endswith("linear.weight") or n.endswith("lm_head.weight"))
+        largest = max(quantized)
         parts.append(Part("dequantized weight", largest * compute_bytes / GIB,
                           f"one 4-bit layer's weight in {compute_bytes} B for its matmul ({largest / 1e6:.1f}M)"))
 

@@ -597,6 +597,15 @@ def _add_low_rank(pretrained: torch.Tensor, after_a: torch.Tensor, b: torch.Tens
     return pretrained.addmm_(after_a, b.t().to(pretrained.dtype))
 
 
+def add_low_rank_parts_(pretrained: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                        parts: tuple) -> torch.Tensor:
+    """B's half of a LoRA layer's forward pass (LowRankUpdate, FusedLoRA): pretrained += s after_a B^T, part by part
+    (lora_parts), each added in place by its matmul (alpha = s)."""
+    for columns, b_rows, a_columns in parts:  # column blocks of a row-major matmul output: views, no copies
+        pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
+    return pretrained
+
+
 class LowRankUpdate(torch.autograd.Function):
     """The adapters' half of a LoRA layer with their gradients added into .grad by the backward matmuls
     (train.grad_into_weights for LoRA and QLoRA): pretrained += s (dropped A^T) B_p^T for each part p, a block of
@@ -613,8 +622,7 @@ class LowRankUpdate(torch.autograd.Function):
     def forward(ctx, pretrained: torch.Tensor, dropped: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 scale: float, parts: tuple) -> torch.Tensor:
         after_a = dropped.mm(lora_a.t())  # (tokens, r x parts)
-        for columns, b_rows, a_columns in parts:  # column blocks of a row-major matmul output: views, no copies
-            pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
+        add_low_rank_parts_(pretrained, after_a, lora_b, scale, parts)
         ctx.mark_dirty(pretrained)
         ctx.save_for_backward(dropped, after_a)
         ctx.lora_a, ctx.lora_b, ctx.scale, ctx.parts = lora_a, lora_b, scale, parts  # parameters: reach their .grad
@@ -682,8 +690,7 @@ class FusedLoRA(torch.autograd.Function):
                 scale: float, p: float, parts: tuple, seed: torch.Tensor, salt: int) -> torch.Tensor:
         pretrained = linear(x)
         after_a = kernels.lora_down(x, lora_a, p, seed, salt)  # (tokens, r x parts), dropout(x) A^T
-        for columns, b_rows, a_columns in parts:
-            pretrained[:, columns].addmm_(after_a[:, a_columns], lora_b[b_rows].t(), alpha=scale)
+        add_low_rank_parts_(pretrained, after_a, lora_b, scale, parts)
         ctx.save_for_backward(x, after_a, seed)
         ctx.linear, ctx.lora_a, ctx.lora_b, ctx.scale, ctx.p, ctx.parts = linear, lora_a, lora_b, scale, p, parts
         ctx.salt = salt
@@ -821,18 +828,17 @@ def lora_qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.r == 0 or not any(self.enable_lora) or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])
-    q_size = self.head_size * self.n_head
-    kv_size = self.head_size * self.n_query_groups
+    if _fused_lora_applies(self, rows):
+        out = FusedLoRA.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
+                              lora_parts(self), *_lora_seed(self, rows.device))
+        return out.view(*x.shape[:-1], -1)
+    pretrained = self.linear(rows)
     if self.grads_into_adapters and torch.is_grad_enabled():
-        if _fused_lora_applies(self, rows):
-            out = FusedLoRA.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
-                                  lora_parts(self), *_lora_seed(self, rows.device))
-            return out.view(*x.shape[:-1], -1)
-        pretrained = self.linear(rows)
         out = LowRankUpdate.apply(pretrained, _lora_dropout(self, rows), self.lora_A, self.lora_B, self.scaling,
                                   lora_parts(self))
         return out.view(*x.shape[:-1], -1)
-    pretrained = self.linear(rows)
+    q_size = self.head_size * self.n_head
+    kv_size = self.head_size * self.n_query_groups
     after_a = F.linear(_lora_dropout(self, rows), self.lora_A) * self.scaling  # (tokens, r x adapted)
     adapted = sum(self.enable_lora)
     parts = iter(self.lora_B.split(self.qkv_shapes, dim=0))
