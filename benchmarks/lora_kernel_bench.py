@@ -40,6 +40,8 @@ def main() -> int:
              "| M | shape (K, R) | variant | forward ms | backward ms | per micro-batch x count (ms) |",
              "|---|---|---|---|---|---|"]
     best: dict[tuple[int, str], tuple[float, str]] = {}
+    rounds_lines: list[str] = []
+    floor_lines: list[str] = []
     for rows, (name, k, r, count) in itertools.product(args.rows, SHAPES):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         a = (torch.randn(r, k, device="cuda") / k**0.5).to(torch.bfloat16)
@@ -57,29 +59,48 @@ def main() -> int:
             return grad_in + grad_rows  # autograd's accumulation of the two input gradients
 
         variants = [("dropout + cuBLAS + add (before)", old_forward, old_backward)]
-        for block_m, block_k, warps in itertools.product((16, 32), (128, 256), (4, 8)):
-            variants.append((f"lora_down BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps",
-                             lambda bm=block_m, bk=block_k, w=warps: kernels.lora_down(x, a, P, seed, block_m=bm,
-                                                                                      block_k=bk, num_warps=w),
+        for block_m, block_k, warps, splits in itertools.product((16, 32, 64), (64, 128), (4, 8), (1, 2, 4, 8)):
+            variants.append((f"lora_down BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps, {splits} splits",
+                             lambda bm=block_m, bk=block_k, w=warps, s=splits: kernels.lora_down(
+                                 x, a, P, seed, block_m=bm, block_k=bk, num_warps=w, splits=s),
                              None))
         for block_m, block_k, warps, per_sm in itertools.product((32, 64), (64, 128), (4, 8), (2, 4)):
             def new_backward(bm=block_m, bk=block_k, w=warps, s=per_sm):
-                _, grad_a = kernels.lora_down_backward(x, a, g, P, seed, grad_in, block_m=bm, block_k=bk, num_warps=w,
-                                                       programs_per_sm=s)
-                a_grad.add_(grad_a)
+                kernels.lora_down_backward(x, a, g, P, seed, grad_in, grad_a=a_grad, block_m=bm, block_k=bk,
+                                           num_warps=w, programs_per_sm=s)
             variants.append((f"lora_down_backward BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps,"
                              f" {per_sm} programs/SM", None, new_backward))
+        fastest: dict[str, tuple[float, object]] = {}
         for label, forward, backward in variants:
             fwd = do_bench(forward, warmup=10, rep=50) if forward else None
             bwd = do_bench(backward, warmup=10, rep=50) if backward else None
             total = ((fwd or 0) + (bwd or 0)) * count
             lines.append(f"| {rows} | {name} ({k}, {r}) | {label} | {'' if fwd is None else f'{fwd:.4f}'} |"
                          f" {'' if bwd is None else f'{bwd:.4f}'} | {total:.3f} |")
-            for part, value in (("forward", fwd), ("backward", bwd)):
+            for part, value, fn in (("forward", fwd, forward), ("backward", bwd, backward)):
                 if value is not None and "before" not in label:
                     key = (rows, f"{name} {part}")
                     if key not in best or value < best[key][0]:
                         best[key] = (value, label)
+                        fastest[part] = (value, fn, label)
+        # the random numbers' share: the fastest launch of each direction with fewer Philox rounds (0: none at all,
+        # the counters themselves, a bound on what any cheaper generator could save)
+        default_rounds = kernels.LORA_PHILOX_ROUNDS
+        for part, (_, fn, label) in sorted(fastest.items()):
+            for rounds in (0, 7, default_rounds):
+                kernels.LORA_PHILOX_ROUNDS = rounds
+                try:
+                    value = do_bench(fn, warmup=10, rep=50)
+                finally:
+                    kernels.LORA_PHILOX_ROUNDS = default_rounds
+                rounds_lines.append(f"| {rows} | {name} ({k}, {r}) | {part}: {label} | {rounds} | {value:.4f} |")
+        # bytes a pass must move at least: forward reads x; backward reads x and grad_in and writes grad_x
+        floor_lines.append(f"| {rows} | {name} ({k}, {r}) | {x.numel() * 2 / 3.35e9:.4f} |"
+                           f" {3 * x.numel() * 2 / 3.35e9:.4f} |")
+    lines += ["", "Philox rounds (the fastest launch of each direction per shape; ms):", "",
+              "| M | shape (K, R) | launch | rounds | ms |", "|---|---|---|---|---|"] + rounds_lines
+    lines += ["", "The bandwidth floor at 3.35 TB/s (ms): forward reads x; backward reads x and grad_in, writes grad_x", "",
+              "| M | shape (K, R) | forward | backward |", "|---|---|---|---|"] + floor_lines
     lines += ["", "Fastest fused variant per shape and direction:", ""]
     lines += [f"- M {rows}, {what}: {label} ({value:.4f} ms)" for (rows, what), (value, label) in sorted(best.items())]
     text = "\n".join(lines) + "\n"

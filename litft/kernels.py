@@ -396,6 +396,8 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
 # Triton 3.6-3.9 failed to compile (an assertion in ConvertTritonGPUToLLVM, sm_90) a first version that read x in
 # 16-column tiles, once x's row stride is known to be a multiple of 16; these read tiles of 64 columns or more.
 _LORA_P_BITS = 16
+# Philox rounds per call (Triton's default, and cuRAND's, is 10): the forward and backward kernels must draw alike
+LORA_PHILOX_ROUNDS = 10
 
 
 def _lora_p16(p: float) -> tuple[int, float]:
@@ -409,42 +411,47 @@ def _lora_p16(p: float) -> tuple[int, float]:
 if triton is not None:
 
     @triton.jit
-    def _lora_keep(seed, rows, first_column, row_counters, p16, BLOCK_K: tl.constexpr):
+    def _lora_keep(seed, rows, first_column, row_counters, p16, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr):
         # the (BLOCK_M, BLOCK_K) keep mask of columns first_column ... + BLOCK_K (first_column a multiple of 8)
         counters = rows[:, None] * row_counters + first_column // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
-        w0, w1, w2, w3 = tl.randint4x(seed, counters)
+        w0, w1, w2, w3 = tl.randint4x(seed, counters, ROUNDS)
         halves = tl.join(tl.join(tl.join(w0 & 0xFFFF, (w0 >> 16) & 0xFFFF), tl.join(w1 & 0xFFFF, (w1 >> 16) & 0xFFFF)),
                          tl.join(tl.join(w2 & 0xFFFF, (w2 >> 16) & 0xFFFF), tl.join(w3 & 0xFFFF, (w3 >> 16) & 0xFFFF)))
         return tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16  # (BLOCK_M, BLOCK_K // 8, 2, 2, 2) flattened
 
     @triton.jit(do_not_specialize=["M", "salt"])
-    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, salt, M, K, R, stride_x, stride_a, stride_out, p16,
-                          inv_keep,
+    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, salt, M, K, R, stride_x, stride_a, stride_out,
+                          stride_split, columns_per_split, p16, inv_keep,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                          PRECISION: tl.constexpr):
-        # one program per BLOCK_M rows: out[rows] = dropout(x[rows]) @ a^T, the mask applied as x is read
+                          PRECISION: tl.constexpr, ROUNDS: tl.constexpr):
+        # program (row block, column split): out[split, rows] = dropout(x[rows, split's columns]) @ a[:, those]^T, the
+        # mask applied as x is read. One split: out is the result; more: fp32 partial sums, which _sum_splits adds.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
         seed = tl.load(seed_ptr) + salt
         row_counters = tl.cdiv(K, 64) * 8
         dtype = x_ptr.dtype.element_ty
+        first = split * columns_per_split
+        stop = tl.minimum(first + columns_per_split, K)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
+        for start in range(first, stop, BLOCK_K):
             columns = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :],
-                        mask=(rows[:, None] < M) & (columns[None, :] < K), other=0.0)
-            x = tl.where(_lora_keep(seed, rows, start, row_counters, p16, BLOCK_K), x, 0.0).to(dtype)
+                        mask=(rows[:, None] < M) & (columns[None, :] < stop), other=0.0)
+            x = tl.where(_lora_keep(seed, rows, start, row_counters, p16, BLOCK_K, ROUNDS), x, 0.0).to(dtype)
             a = tl.load(a_ptr + r[None, :] * stride_a + columns[:, None],
-                        mask=(r[None, :] < R) & (columns[:, None] < K), other=0.0).to(dtype)
+                        mask=(r[None, :] < R) & (columns[:, None] < stop), other=0.0).to(dtype)
             acc += tl.dot(x, a, input_precision=PRECISION)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + r[None, :],
+        tl.store(out_ptr + split.to(tl.int64) * stride_split + rows[:, None].to(tl.int64) * stride_out + r[None, :],
                  (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (r[None, :] < R))
 
     @triton.jit(do_not_specialize=["M", "rows_per_split", "salt"])
     def _lora_down_backward_kernel(x_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, salt, M, K, R,
                                    stride_x, stride_a, stride_g, stride_grad, rows_per_split, p16, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                                   ROUNDS: tl.constexpr):
         # program (column block, split): BLOCK_K columns over one split's rows. Per (BLOCK_M, BLOCK_K) tile of x:
         # acc (BLOCK_R, BLOCK_K) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the
         # split's partial sum of a's gradient over those columns, in fp32.
@@ -463,7 +470,7 @@ if triton is not None:
         for row in range(start, stop, BLOCK_M):
             rows = row + tl.arange(0, BLOCK_M)
             inside = (rows[:, None] < stop) & (columns[None, :] < K)
-            keep = _lora_keep(seed, rows, first, row_counters, p16, BLOCK_K)
+            keep = _lora_keep(seed, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
             g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :],
                         mask=(rows[:, None] < stop) & (r[None, :] < R), other=0.0).to(dtype)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :], mask=inside, other=0.0)
@@ -483,11 +490,15 @@ _PARTIALS_BLOCK = 1024
 if triton is not None:
 
     @triton.jit
-    def _add_partials_kernel(partial_ptr, grad_ptr, n, splits, BLOCK: tl.constexpr):
-        # grad += the sum of `splits` fp32 partial sums, in fp32, rounded once to grad's dtype
+    def _add_partials_kernel(partial_ptr, grad_ptr, n, splits, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
+        # grad (+)= the sum of `splits` fp32 partial sums, in fp32, rounded once to grad's dtype; without ACCUMULATE
+        # grad is only written
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
-        total = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        if ACCUMULATE:
+            total = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        else:
+            total = tl.zeros((BLOCK,), dtype=tl.float32)
         for split in range(0, splits):
             total += tl.load(partial_ptr + split * n + offsets, mask=inside, other=0.0)
         tl.store(grad_ptr + offsets, total.to(grad_ptr.dtype.element_ty), mask=inside)
@@ -515,10 +526,10 @@ def _lora_check_counters(rows: int, k: int) -> None:
 # runs about 2 programs per SM (column blocks x row splits).
 
 
-def _lora_down_launch(k: int) -> dict:
+def _lora_down_launch(k: int, r: int, rows: int) -> dict:
     if k > 4096:
-        return dict(block_m=16, block_k=256, num_warps=4)
-    return dict(block_m=16, block_k=128, num_warps=8)
+        return dict(block_m=16, block_k=256, num_warps=4, splits=1)
+    return dict(block_m=16, block_k=128, num_warps=8, splits=1)
 
 
 def _lora_down_backward_launch(k: int, r: int) -> dict:
@@ -530,26 +541,38 @@ def _lora_down_backward_launch(k: int, r: int) -> dict:
 
 
 def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, salt: int = 0, *,
-              block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+              block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+              splits: int | None = None) -> torch.Tensor:
     """dropout(x) @ a^T for x (rows, K) and a LoRA A matrix a (R, K), in one pass over x: the mask (drop with
     probability p, keep scaled by 1 / (1 - p); see _lora_p16) is drawn from Philox numbers of ``seed`` + ``salt``
     (``seed``: a 1-element int64 tensor, read on the device; ``salt``: an int, so that layers sharing one seed draw
     different masks) as x is read, and neither it nor the dropped x is written. lora_down_backward
-    draws the same mask. Accumulates in fp32; returns (rows, R) in x's dtype. ``block_m``, ``block_k``,
-    ``num_warps``: the launch (else :func:`_lora_down_launch`'s), for benchmarks/lora_kernel_bench.py."""
+    draws the same mask. Accumulates in fp32; returns (rows, R) in x's dtype. With ``splits`` > 1 the columns are
+    split over that many programs per row block, each writing an fp32 partial sum, and one more kernel adds them:
+    more programs in flight on the short inputs of a micro-batch, and each program reads a slice of a, not all of it.
+    ``block_m``, ``block_k``, ``num_warps``, ``splits``: the launch (else :func:`_lora_down_launch`'s), for
+    benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     a = a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
     _lora_check_counters(rows, k)
     p16, inv_keep = _lora_p16(p)
-    launch = _lora_down_launch(k)
+    launch = _lora_down_launch(k, r, rows)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
+    splits = min(splits or launch["splits"], triton.cdiv(k, block_k))
+    columns_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # whole tiles: masks start at 8s
+    splits = triton.cdiv(k, columns_per_split)
     out = torch.empty((rows, r), dtype=x.dtype, device=x.device)
-    _lora_down_kernel[(triton.cdiv(rows, block_m),)](
-        x, a, out, seed, salt, rows, k, r, x.stride(0), a.stride(0), out.stride(0), p16, inv_keep,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x),
-        num_warps=num_warps or launch["num_warps"])
+    partial = out if splits == 1 else torch.empty((splits, rows, r), dtype=torch.float32, device=x.device)
+    _lora_down_kernel[(triton.cdiv(rows, block_m), splits)](
+        x, a, partial, seed, salt, rows, k, r, x.stride(0), a.stride(0), r, rows * r, columns_per_split, p16,
+        inv_keep, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)),
+        PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS, num_warps=num_warps or launch["num_warps"])
+    if splits > 1:
+        _add_partials_kernel[(triton.cdiv(rows * r, _PARTIALS_BLOCK),)](partial, out, rows * r, splits,
+                                                                         BLOCK=_PARTIALS_BLOCK, ACCUMULATE=False,
+                                                                         num_warps=4)
     return out
 
 
@@ -589,7 +612,8 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
         salt, rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
         grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p16, inv_keep,
         HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), num_warps=num_warps or launch["num_warps"])
+        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS,
+        num_warps=num_warps or launch["num_warps"])
     grad_x = grad_x if input_grad else None
     if grad_a is None:
         return grad_x, partial.sum(0) if splits > 1 else partial[0]
@@ -597,7 +621,7 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     # 1,024 elements per program: a LoRA A of 32 x 2,048 is 64 programs (4,096 per program left 16, and the kernel
     # took 7.3 us per call on the H100, results/s14b-tiny)
     _add_partials_kernel[(triton.cdiv(r * k, _PARTIALS_BLOCK),)](partial, grad_a, r * k, splits,
-                                                                 BLOCK=_PARTIALS_BLOCK, num_warps=4)
+                                                                 BLOCK=_PARTIALS_BLOCK, ACCUMULATE=True, num_warps=4)
     return grad_x, grad_a
 
 

@@ -342,8 +342,9 @@ def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
     x, a = torch.randn(rows, k, device=device), torch.randn(r, k, device=device)
     # references in float64: a GPU session may have set fp32 matmuls to TF32 (torch.set_float32_matmul_precision)
     dropped = x.double() * mask * scale
-    torch.testing.assert_close(kernels.lora_down(x, a, p, seed).double(), dropped @ a.double().t(), rtol=1e-5,
-                               atol=1e-4)
+    for splits in (1, 2):  # one program per row block, or the columns split over two and their partial sums added
+        torch.testing.assert_close(kernels.lora_down(x, a, p, seed, splits=splits, block_k=64).double(),
+                                   dropped @ a.double().t(), rtol=1e-5, atol=1e-4)
 
     grad_after_a, frozen_grad = torch.randn(rows, r, device=device), torch.randn(rows, k, device=device)
     given = frozen_grad.clone() if grad_in == "added-in-place" else None
@@ -408,28 +409,33 @@ def compile_for_sm90(kernel, signature, constexprs):
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32", "M": "i32",
-           "K": "i32", "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "p16": "i32",
-           "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr",
-           "PRECISION": "constexpr"}
+           "K": "i32", "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "stride_split": "i32",
+           "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+           "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr"}
 backward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "g_ptr": "*bf16", "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16",
             "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "M": "i32", "K": "i32", "R": "i32",
             "stride_x": "i32", "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
             "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
-            "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"}
-for k, block_r in ((2048, 16), (2048, 32), (2048, 128), (5632, 32)):  # every launch _lora_down*_launch picks
-    launch = kernels._lora_down_launch(k)
-    compile_for_sm90(kernels._lora_down_kernel, forward,
-                     {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
-                      "PRECISION": "tf32", "num_warps": launch["num_warps"]})
-    launch = kernels._lora_down_backward_launch(k, block_r)
+            "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr"}
+for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _lora_down*_launch picks
+    block_r = max(16, kernels._next_power_of_2(r))
+    for rows in (2048, 4096):
+        launch = kernels._lora_down_launch(k, r, rows)
+        for out in ("*bf16", "*fp32"):  # the result, or the splits' partial sums
+            compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
+                             {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
+                              "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS,
+                              "num_warps": launch["num_warps"]})
+    launch = kernels._lora_down_backward_launch(k, r)
     for has_grad_in, write_grad_x in ((True, True), (False, True), (False, False)):
         compile_for_sm90(kernels._lora_down_backward_kernel, backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                           "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x, "PRECISION": "tf32",
-                          "num_warps": launch["num_warps"]})
-compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
-                                                 "splits": "i32", "BLOCK": "constexpr"},
-                 {"BLOCK": kernels._PARTIALS_BLOCK, "num_warps": 4})
+                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
+for accumulate in (True, False):
+    compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
+                                                     "splits": "i32", "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
+                     {"BLOCK": kernels._PARTIALS_BLOCK, "ACCUMULATE": accumulate, "num_warps": 4})
 print("compiled")
 """
 
