@@ -465,6 +465,20 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     # Issue 5, session 14, call 4: the same runs with the LoRA kernels' per-shape launches (lora-kernels-s14.md), one
     # dropout seed per forward pass (model.LoRASeeds) and A's gradient added into .grad by one kernel.
     "s14b-tiny": S14_LORA_RUNS,
+    # Issue 5, session 15: session 14's code (a06bc29, carried as out/prev) beside this one's: the MLP proj's
+    # FusedLoRA keeping SwiGLU's inputs (11,264 bytes per token and block less), lora_down's launches from the
+    # column-split sweep (lora-kernels-s15.md); at micro batch 4 and 8 (passes of 2,048 and 4,096 positions).
+    "s15-tiny": [
+        ("lora-s14", "tiny-llama-lora", GPU + steps(30), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(30)),
+        ("lora-micro8-s14", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"], PREVIOUS),
+        ("lora-micro8", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8",
+                                                               "--logging.profile", "20-21"]),
+        ("qlora-s14", "tiny-llama-qlora", GPU + steps(30), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(30)),
+        ("qlora-micro8", "tiny-llama-qlora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
+        ("lora-micro8-again", "tiny-llama-lora", GPU + steps(30) + ["--train.micro_batch_size", "8"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

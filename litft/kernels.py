@@ -447,11 +447,11 @@ if triton is not None:
                  (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (r[None, :] < R))
 
     @triton.jit(do_not_specialize=["M", "rows_per_split", "salt"])
-    def _lora_down_backward_kernel(x_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, salt, M, K, R,
-                                   stride_x, stride_a, stride_g, stride_grad, rows_per_split, p16, inv_keep,
+    def _lora_down_backward_kernel(x_ptr, gate_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, salt,
+                                   M, K, R, stride_x, stride_a, stride_g, stride_grad, rows_per_split, p16, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                                   ROUNDS: tl.constexpr):
+                                   ROUNDS: tl.constexpr, SWIGLU: tl.constexpr):
         # program (column block, split): BLOCK_K columns over one split's rows. Per (BLOCK_M, BLOCK_K) tile of x:
         # acc (BLOCK_R, BLOCK_K) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the
         # split's partial sum of a's gradient over those columns, in fp32.
@@ -473,7 +473,12 @@ if triton is not None:
             keep = _lora_keep(seed, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
             g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :],
                         mask=(rows[:, None] < stop) & (r[None, :] < R), other=0.0).to(dtype)
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :], mask=inside, other=0.0)
+            at_x = rows[:, None].to(tl.int64) * stride_x + columns[None, :]
+            if SWIGLU:  # x = silu(gate) * up, rebuilt as _swiglu_forward_kernel computed it (x_ptr: the up input)
+                gate = tl.load(gate_ptr + at_x, mask=inside, other=0.0).to(tl.float32)
+                x = (gate * tl.sigmoid(gate) * tl.load(x_ptr + at_x, mask=inside, other=0.0).to(tl.float32)).to(dtype)
+            else:
+                x = tl.load(x_ptr + at_x, mask=inside, other=0.0)
             acc += tl.dot(tl.trans(g), tl.where(keep, x, 0.0).to(dtype), input_precision=PRECISION)
             if WRITE_GRAD_X:
                 grad_x = tl.where(keep, tl.dot(g, a, input_precision=PRECISION) * inv_keep, 0.0)
@@ -518,17 +523,20 @@ def _lora_check_counters(rows: int, k: int) -> None:
 # (benchmarks/results/lora-kernels-s14.md: triton.testing.do_bench, cold L2), microseconds per call:
 #   forward,  K 2,048 (q, k, v: R 96; proj, fc, head: R 32): BLOCK_M 16, BLOCK_K 128, 8 warps (27 / 15; the first
 #             version, 16-column tiles and one 32-bit uniform per element: 23 / 20; dropout + cuBLAS: 41 / 22)
-#   forward,  K 5,632 (the MLP's proj):                       BLOCK_M 16, BLOCK_K 256, 4 warps (27; before: 36)
+#   forward,  K 5,632 (the MLP's proj): BLOCK_M 16, BLOCK_K 128, 4 warps, the columns split over 4 programs per row
+#             block (lora-kernels-s15.md: 24 at 2,048 rows and 39 at 4,096, against 33 and 42 unsplit; at K 2,048
+#             splits gained nothing beyond the sweep's noise)
 #   backward, R 96:                                           BLOCK_M 64, BLOCK_K 128, 8 warps (43; before: 86)
 #   backward, R 32, K 2,048:                                  BLOCK_M 32, BLOCK_K 128, 8 warps (33; before: 37)
 #   backward, R 32, K 5,632:                                  BLOCK_M 32, BLOCK_K 64, 4 warps (68; before: 75)
 # ("before": the dropout kernel, cuBLAS and, backward, autograd's add of the input gradients.) The backward pass
-# runs about 2 programs per SM (column blocks x row splits).
+# runs about 2 programs per SM (column blocks x row splits). Fewer Philox rounds (7, or none) did not measurably
+# shorten either kernel in lora-kernels-s15.md: the random numbers are not what bounds them.
 
 
-def _lora_down_launch(k: int, r: int, rows: int) -> dict:
+def _lora_down_launch(k: int) -> dict:
     if k > 4096:
-        return dict(block_m=16, block_k=256, num_warps=4, splits=1)
+        return dict(block_m=16, block_k=128, num_warps=4, splits=4)
     return dict(block_m=16, block_k=128, num_warps=8, splits=1)
 
 
@@ -558,7 +566,7 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
     r = a.shape[0]
     _lora_check_counters(rows, k)
     p16, inv_keep = _lora_p16(p)
-    launch = _lora_down_launch(k, r, rows)
+    launch = _lora_down_launch(k)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     splits = min(splits or launch["splits"], triton.cdiv(k, block_k))
     columns_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # whole tiles: masks start at 8s
@@ -578,7 +586,7 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
 
 def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Tensor, p: float, seed: torch.Tensor,
                        grad_in: torch.Tensor | None, input_grad: bool = True, grad_a: torch.Tensor | None = None,
-                       salt: int = 0, *,
+                       salt: int = 0, gate: torch.Tensor | None = None, *,
                        block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                        programs_per_sm: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The backward pass of lora_down in one pass over x (and over ``grad_in``): the gradient with respect to x,
@@ -587,9 +595,14 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     when it is None, or not at all without ``input_grad``; and the gradient with respect to a,
     grad_after_a^T @ dropout(x), in fp32 (rows split over programs, their partial sums added here), or added into
     ``grad_a`` (a's .grad, contiguous, any float dtype) by one more kernel, which then returns it: where torch's sum
-    and add_ run two. ``block_m``, ``block_k``, ``num_warps``, ``programs_per_sm``: the launch
-    (else :func:`_lora_down_backward_launch`'s), for benchmarks/lora_kernel_bench.py."""
+    and add_ run two. With ``gate`` the layer's input is silu(gate) * x (LLaMA's SwiGLU: gate = fc_1's output,
+    x = fc_2's), rebuilt tile by tile as swiglu_forward computed it: the caller keeps the two inputs, which SwiGLU's
+    backward pass keeps anyway, not the product (TinyLlama: 11,264 bytes per token and block). ``block_m``,
+    ``block_k``, ``num_warps``, ``programs_per_sm``: the launch (else :func:`_lora_down_backward_launch`'s), for
+    benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if gate is not None:
+        assert gate.shape == x.shape and gate.stride() == x.stride()
     a, grad_after_a = a.contiguous(), grad_after_a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
@@ -608,12 +621,12 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     splits = triton.cdiv(rows, rows_per_split)
     partial = torch.empty((splits, r, k), dtype=torch.float32, device=x.device)
     _lora_down_backward_kernel[(column_blocks, splits)](
-        x, a, grad_after_a, grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed,
+        x, gate if gate is not None else x, a, grad_after_a, grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed,
         salt, rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
         grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p16, inv_keep,
         HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS,
-        num_warps=num_warps or launch["num_warps"])
+        SWIGLU=gate is not None, num_warps=num_warps or launch["num_warps"])
     grad_x = grad_x if input_grad else None
     if grad_a is None:
         return grad_x, partial.sum(0) if splits > 1 else partial[0]

@@ -180,10 +180,10 @@ def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_
 # ----------------------------------------------------------------------------------------------------------------------
 
 _TRACE_CACHE: dict[tuple, int] = {}
-_TRACE_VERSION = 4  # part of the cache key: bumped when the trace itself changes, so older results are not reused
+_TRACE_VERSION = 5  # part of the cache key: bumped when the trace itself changes, so older results are not reused
 # (2: the block's input in the parameters' dtype, autocast in the compute dtype: -mixed keeps fp32 norm inputs;
 # 3: with Triton kernels, v out of the qkv output as its own tensor, as model.RopeQKV gives it;
-# 4: LoRA layers as model.FusedLoRA keeps them)
+# 4: LoRA layers as model.FusedLoRA keeps them; 5: the MLP's LoRA proj keeps SwiGLU's inputs, not its own)
 
 
 def assumes_compiled(recipe: Recipe, compiled: bool | None) -> bool:
@@ -298,11 +298,12 @@ class _FusedLoRAAsOnCuda(torch.autograd.Function):
     (one tensor however many layers read it), the r-wide A output and a seed; no dropped copy, no mask."""
 
     @staticmethod
-    def forward(ctx, x, lora_a, lora_b, linear, scale, p, parts):
+    def forward(ctx, x, lora_a, lora_b, linear, scale, p, parts, gate=None, up=None):
         from litft.model import add_low_rank_parts_
 
         after_a = torch.nn.functional.dropout(x, p).mm(lora_a.t())
-        ctx.save_for_backward(x, after_a, torch.zeros(1, dtype=torch.int64))
+        kept = (up, gate) if gate is not None else (x,)
+        ctx.save_for_backward(*kept, after_a, torch.zeros(1, dtype=torch.int64))
         return add_low_rank_parts_(linear(x), after_a, lora_b, scale, parts)
 
     @staticmethod
@@ -310,13 +311,22 @@ class _FusedLoRAAsOnCuda(torch.autograd.Function):
         raise NotImplementedError("_FusedLoRAAsOnCuda is for counting saved tensors only")
 
 
-def _fused_lora_as_on_cuda(self, x: torch.Tensor) -> torch.Tensor:
+def _fused_lora_as_on_cuda(self, x: torch.Tensor, swiglu_inputs: tuple | None = None) -> torch.Tensor:
     from litft.model import _dropout_p, lora_parts
 
     rows = x.reshape(-1, x.shape[-1])
+    rebuild = [t.reshape(rows.shape) for t in swiglu_inputs] if swiglu_inputs is not None else [None, None]
     out = _FusedLoRAAsOnCuda.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
-                                   lora_parts(self))
+                                   lora_parts(self), *rebuild)
     return out.view(*x.shape[:-1], -1)
+
+
+def _mlp_as_on_cuda(self, x: torch.Tensor) -> torch.Tensor:
+    """model.mlp_forward as it runs on CUDA with train.triton_kernels: the LoRA proj is told SwiGLU's inputs."""
+    from litft.model import SwiGLU
+
+    gate, up = self.fc_1(x), self.fc_2(x)
+    return self.proj(SwiGLU.apply(gate, up, False), swiglu_inputs=(gate, up))
 
 
 def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
@@ -326,7 +336,7 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
 
     from litgpt.model import RMSNorm, build_rope_cache
 
-    from litft.model import use_fast_layers
+    from litft.model import mlp_forward, use_fast_layers
 
     if recipe.method in ("lora", "qlora"):
         from litgpt.lora import Block, mark_only_lora_as_trainable
@@ -370,6 +380,11 @@ def _trace_block(recipe: Recipe, config, tokens: int, compiled: bool = False):
                 module.forward = types.MethodType(_fused_lora_as_on_cuda, module)
             elif isinstance(module.lora_dropout, torch.nn.Dropout):
                 module.lora_dropout = _SeededDropoutModule(module.lora_dropout.p)
+        for module in block.modules():  # mlp_forward (train.lean_swiglu) before a FusedLoRA proj
+            proj = getattr(module, "proj", None)
+            if ("forward" in vars(module) and getattr(module.forward, "__func__", None) is mlp_forward
+                    and getattr(getattr(proj, "forward", None), "__func__", None) is _fused_lora_as_on_cuda):
+                module.forward = types.MethodType(_mlp_as_on_cuda, module)
     block.train()
     # the residual stream has the embedding's dtype: the parameters' (fp32 under -mixed, where each norm then keeps
     # an fp32 input for the backward pass; a 16-bit stand-in undercounted that and kept rms_norm from its fused path)

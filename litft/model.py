@@ -493,8 +493,18 @@ class SwiGLU(torch.autograd.Function):
 
 def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LLaMAMLP.forward with SwiGLU's silu recomputed in the backward pass (train.lean_swiglu), in Triton kernels on
-    CUDA with train.triton_kernels."""
-    return self.proj(SwiGLU.apply(self.fc_1(x), self.fc_2(x), self.triton_kernels))
+    CUDA with train.triton_kernels. A LoRA proj (lora_linear_forward) is also told SwiGLU's inputs when the kernel
+    made its input: as FusedLoRA it keeps those, not its input."""
+    gate, up = self.fc_1(x), self.fc_2(x)
+    out = SwiGLU.apply(gate, up, self.triton_kernels)
+    if self.triton_kernels and kernels.available(gate) and _takes_swiglu_inputs(self.proj):
+        return self.proj(out, swiglu_inputs=(gate, up))
+    return self.proj(out)
+
+
+def _takes_swiglu_inputs(layer: torch.nn.Module) -> bool:
+    """Whether the layer's forward is lora_linear_forward, which takes ``swiglu_inputs``."""
+    return getattr(layer.forward, "__func__", None) is lora_linear_forward
 
 
 class MixedPrecisionLinear(torch.autograd.Function):
@@ -687,18 +697,24 @@ class FusedLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, linear: torch.nn.Module,
-                scale: float, p: float, parts: tuple, seed: torch.Tensor, salt: int) -> torch.Tensor:
+                scale: float, p: float, parts: tuple, seed: torch.Tensor, salt: int,
+                gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
         pretrained = linear(x)
         after_a = kernels.lora_down(x, lora_a, p, seed, salt)  # (tokens, r x parts), dropout(x) A^T
         add_low_rank_parts_(pretrained, after_a, lora_b, scale, parts)
-        ctx.save_for_backward(x, after_a, seed)
+        # x = silu(gate) * up (the MLP's proj after the SwiGLU kernel): keep the two inputs, which SwiGLU keeps too,
+        # and rebuild x in the backward kernel, rather than keep x as well
+        ctx.save_for_backward(*((up, gate) if gate is not None else (x,)), after_a, seed)
         ctx.linear, ctx.lora_a, ctx.lora_b, ctx.scale, ctx.p, ctx.parts = linear, lora_a, lora_b, scale, p, parts
-        ctx.salt = salt
+        ctx.salt, ctx.rebuilds = salt, gate is not None
         return pretrained
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, after_a, seed = ctx.saved_tensors
+        if ctx.rebuilds:
+            x, gate, after_a, seed = ctx.saved_tensors
+        else:
+            (x, after_a, seed), gate = ctx.saved_tensors, None
         lora_a, lora_b, scale = ctx.lora_a, ctx.lora_b, ctx.scale
         grad = grad.contiguous()
         grad_after_a = _low_rank_b_backward(grad, after_a, lora_b, scale, ctx.parts)
@@ -707,8 +723,8 @@ class FusedLoRA(torch.autograd.Function):
             lora_a.grad = torch.zeros_like(lora_a)
         grad_x, _ = kernels.lora_down_backward(
             x, lora_a, grad_after_a, ctx.p, seed, _frozen_input_grad(ctx.linear, grad) if input_grad else None,
-            input_grad=input_grad, grad_a=lora_a.grad, salt=ctx.salt)
-        return grad_x, None, None, None, None, None, None, None, None
+            input_grad=input_grad, grad_a=lora_a.grad, salt=ctx.salt, gate=gate)
+        return grad_x, None, None, None, None, None, None, None, None, None, None
 
 
 def _low_rank_b_backward(grad: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
@@ -793,20 +809,23 @@ def lora_parts(layer) -> tuple:
     return tuple(parts)
 
 
-def lora_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+def lora_linear_forward(self, x: torch.Tensor, swiglu_inputs: tuple | None = None) -> torch.Tensor:
     """LoRALinear.forward as W x + B (s A dropout(x)): the scale s = alpha / r multiplies the r-wide product, not the
     layer's output, and the matmul with B adds into W x in place. The same function as LitGPT's
     ``W x + (dropout(x) A^T B^T) s``. Per adapted layer it saves the scale's multiply and the add over the whole
     output (TinyLlama's adapted layers write 17,920 outputs per token and block: q, k, v 2,560, proj 2,048, fc_1 and
     fc_2 5,632 each, mlp proj 2,048), forward and backward. With ``self.grads_into_adapters`` (set by
     use_fast_layers from train.grad_into_weights) the adapters run as LowRankUpdate; with ``self.triton_kernels``
-    the dropout as SeededDropout; with both, on CUDA, the whole layer as FusedLoRA (:func:`_fused_lora_applies`)."""
+    the dropout as SeededDropout; with both, on CUDA, the whole layer as FusedLoRA (:func:`_fused_lora_applies`).
+    ``swiglu_inputs``: (gate, up) when x is kernels.swiglu_forward(gate, up) (mlp_forward), for FusedLoRA to keep
+    them, not x."""
     if self.r == 0 or self.merged:
         return self.linear(x)
     rows = x.reshape(-1, x.shape[-1])  # 2-D from the start: the in-place add acts on a matmul output, not a view
     if _fused_lora_applies(self, rows):
+        rebuild = [t.reshape(rows.shape) for t in swiglu_inputs] if swiglu_inputs is not None else [None, None]
         out = FusedLoRA.apply(rows, self.lora_A, self.lora_B, self.linear, self.scaling, _dropout_p(self),
-                              lora_parts(self), *_lora_seed(self, rows.device))
+                              lora_parts(self), *_lora_seed(self, rows.device), *rebuild)
         return out.view(*x.shape[:-1], -1)
     pretrained = self.linear(rows)
     if self.grads_into_adapters and torch.is_grad_enabled():

@@ -254,6 +254,44 @@ def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, 
         torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-5)
 
 
+def test_fused_lora_after_swiglu_keeps_its_inputs_not_the_product():
+    """The MLP's proj as FusedLoRA told SwiGLU's inputs (mlp_forward's swiglu_inputs): it keeps fc_1's and fc_2's
+    outputs (which SwiGLU keeps anyway), not silu(gate) * up, and its backward kernel rebuilds that product: the same
+    output and gradients (x's path through SwiGLU included) as keeping the product. fp32, Triton's interpreter."""
+    from litgpt.lora import LoRALinear
+
+    from litft.model import FusedLoRA, SwiGLU, lora_parts
+
+    p = 0.3
+    torch.manual_seed(0)
+    layer = LoRALinear(80, 40, r=4, lora_alpha=8, lora_dropout=p)
+    layer.linear.weight.requires_grad_(False)
+    torch.nn.init.normal_(layer.lora_B, std=0.1)
+    gate, up = torch.randn(14, 80, requires_grad=True), torch.randn(14, 80, requires_grad=True)
+    weights = torch.linspace(-1, 1, 40)
+    seed = torch.tensor([2**33 + 1])
+
+    def run(rebuild: bool):
+        gate.grad = up.grad = layer.lora_A.grad = layer.lora_B.grad = None
+        saved = []
+
+        def pack(t):
+            saved.append(t.data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            product = SwiGLU.apply(gate, up, False)
+            out = FusedLoRA.apply(product, layer.lora_A, layer.lora_B, layer.linear, layer.scaling, p,
+                                  lora_parts(layer), seed, 3, *((gate, up) if rebuild else (None, None)))
+        (out * weights).square().sum().backward()
+        return (out.detach(), gate.grad, up.grad, layer.lora_A.grad, layer.lora_B.grad), product.data_ptr() in saved
+
+    (rebuilt, keeps_product), (kept, kept_product) = run(True), run(False)
+    assert kept_product and not keeps_product
+    for got, wanted in zip(rebuilt, kept):
+        torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-6)
+
+
 def test_matmul_lora_layers_keep_autocasts_dtype():
     """Under bf16 autocast (precision bf16-mixed) the adapters stay fp32 and the output is bf16: the in-place add
     takes B in the output's dtype."""

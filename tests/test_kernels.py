@@ -366,6 +366,23 @@ def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
         assert grad_x is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_down_backward_rebuilds_a_swiglu_input_as_the_forward_kernel_made_it(device):
+    """With ``gate``, lora_down_backward takes the layer's input as silu(gate) * up, rebuilt tile by tile: the same
+    gradients as from the product swiglu_forward wrote (the MLP's proj keeps fc_1's and fc_2's outputs, not it)."""
+    torch.manual_seed(0)
+    rows, k, r, p = 70, 80, 12, 0.25
+    seed = torch.tensor([13579], device=device)
+    gate, up = torch.randn(rows, k, device=device), torch.randn(rows, k, device=device)
+    product = kernels.swiglu_forward(gate, up) if kernels.available(gate) else gate * torch.sigmoid(gate) * up
+    a, grad_after_a = torch.randn(r, k, device=device), torch.randn(rows, r, device=device)
+    frozen_grad = torch.randn(rows, k, device=device)
+    from_product = kernels.lora_down_backward(product, a, grad_after_a, p, seed, frozen_grad.clone())
+    rebuilt = kernels.lora_down_backward(up, a, grad_after_a, p, seed, frozen_grad.clone(), gate=gate)
+    for got, wanted in zip(rebuilt, from_product):
+        torch.testing.assert_close(got, wanted, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
     """At a TinyLlama layer's sizes (4,096 rows, K = 2,048 and 5,632, r x 3 = 96 for q, k, v) in bf16: the kernels
@@ -412,26 +429,26 @@ forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "
            "K": "i32", "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "stride_split": "i32",
            "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
            "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr"}
-backward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "g_ptr": "*bf16", "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16",
+backward = {"x_ptr": "*bf16", "gate_ptr": "*bf16", "a_ptr": "*bf16", "g_ptr": "*bf16", "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16",
             "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "M": "i32", "K": "i32", "R": "i32",
             "stride_x": "i32", "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
             "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
-            "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr"}
+            "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr",
+            "SWIGLU": "constexpr"}
 for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _lora_down*_launch picks
     block_r = max(16, kernels._next_power_of_2(r))
-    for rows in (2048, 4096):
-        launch = kernels._lora_down_launch(k, r, rows)
-        for out in ("*bf16", "*fp32"):  # the result, or the splits' partial sums
-            compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
-                             {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
-                              "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS,
-                              "num_warps": launch["num_warps"]})
+    launch = kernels._lora_down_launch(k)
+    for out in ("*bf16", "*fp32"):  # the result, or the splits' partial sums
+        compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
+                         {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
+                          "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
     launch = kernels._lora_down_backward_launch(k, r)
-    for has_grad_in, write_grad_x in ((True, True), (False, True), (False, False)):
+    for has_grad_in, write_grad_x, swiglu in ((True, True, False), (False, True, False), (False, False, False),
+                                              (True, True, True)):
         compile_for_sm90(kernels._lora_down_backward_kernel, backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                           "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x, "PRECISION": "tf32",
-                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
+                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "SWIGLU": swiglu, "num_warps": launch["num_warps"]})
 for accumulate in (True, False):
     compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
                                                      "splits": "i32", "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
