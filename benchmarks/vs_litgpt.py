@@ -104,12 +104,18 @@ class Pair:
     name: str
     recipe: str
     precision: str | None = None  # overrides the recipe's
+    lab: tuple[str, ...] = ()
+    """Settings where the shipped recipe differs from the lab's (issue 5's reference runs), as overrides: LitGPT's
+    run and litft's like-for-like run take them, the defaults run does not."""
 
+
+# the lab's LoRA and QLoRA settings: global batch 16 in micro-batches of 4 (the shipped TinyLlama recipes run 8)
+LAB_MICRO_4 = ("--train.micro_batch_size", "4")
 
 PAIRS = {
     "tiny": [
-        Pair("lora", "tiny-llama-lora"),
-        Pair("qlora", "tiny-llama-qlora"),
+        Pair("lora", "tiny-llama-lora", lab=LAB_MICRO_4),
+        Pair("qlora", "tiny-llama-qlora", lab=LAB_MICRO_4),
         Pair("full-bf16-true", "tiny-llama-full"),
         Pair("full-bf16-mixed", "tiny-llama-full", precision="bf16-mixed"),
     ],
@@ -176,12 +182,13 @@ def plan_runs(args, config, ckpt: Path, data_dir: Path) -> list[Run]:
     runs = []
     for pair in PAIRS["open_llama_7b" if config.name == "open_llama_7b" else "tiny"]:
         precision = args.precision or pair.precision
-        recipe = load_recipe(pair.recipe, args=["--precision", precision] if precision else [], validate_paths=False)
+        recipe = load_recipe(pair.recipe, args=(["--precision", precision] if precision else []) + list(pair.lab),
+                             validate_paths=False)
         runs.append(Run(f"litgpt-{pair.name}", pair, "LitGPT", "LitGPT script", recipe,
                         litgpt_command(recipe, ckpt, data_dir, args.out / "runs" / f"litgpt-{pair.name}", args),
                         args.out / "runs" / f"litgpt-{pair.name}",
                         {"CUDA_VISIBLE_DEVICES": ""} if args.accelerator == "cpu" else {}))
-        for variant, suffix, extra in [("like-for-like", "like", like_for_like_overrides(recipe)),
+        for variant, suffix, extra in [("like-for-like", "like", list(pair.lab) + like_for_like_overrides(recipe)),
                                        ("defaults", "defaults", [])]:
             out_dir = args.out / "runs" / f"litft-{pair.name}-{suffix}"
             runs.append(Run(f"litft-{pair.name}-{suffix}", pair, "litft", variant, recipe,
