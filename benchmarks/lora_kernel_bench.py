@@ -1,8 +1,10 @@
 """LoRA's A side at TinyLlama's sizes on the GPU: model.FusedLoRA's two Triton kernels (kernels.lora_down and
 kernels.lora_down_backward, the dropout drawn inside) against what LowRankUpdate after SeededDropout runs for the same
 work (the dropout kernel, cuBLAS matmuls, and autograd's add of the adapter's input gradient to the frozen layer's),
-over a few launch configurations. Times from triton.testing.do_bench (median of repeated runs, ms; it clears the L2
-cache before each run, so these are cold-cache times).
+over a few launch configurations (lora_down's columns split over 1-8 programs per row block among them), then the
+fastest launch of each direction with 0, 7 and 10 Philox rounds (0: no random numbers drawn at all, a bound on what
+a cheaper generator could save), and the bandwidth floor of each shape. Times from triton.testing.do_bench (median
+of repeated runs, ms; it clears the L2 cache before each run, so these are cold-cache times).
 
     python benchmarks/lora_kernel_bench.py --out lora-kernels.md
 

@@ -425,7 +425,8 @@ if triton is not None:
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                           PRECISION: tl.constexpr, ROUNDS: tl.constexpr):
         # program (row block, column split): out[split, rows] = dropout(x[rows, split's columns]) @ a[:, those]^T, the
-        # mask applied as x is read. One split: out is the result; more: fp32 partial sums, which _sum_splits adds.
+        # mask applied as x is read. One split: out is the result; more: fp32 partial sums, which
+        # _add_partials_kernel adds.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
