@@ -622,8 +622,8 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     splits = triton.cdiv(rows, rows_per_split)
     partial = torch.empty((splits, r, k), dtype=torch.float32, device=x.device)
     _lora_down_backward_kernel[(column_blocks, splits)](
-        x, gate if gate is not None else x, a, grad_after_a, grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed,
-        salt, rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
+        x, gate if gate is not None else x, a, grad_after_a, grad_in if grad_in is not None else x,
+        grad_x if grad_x is not None else x, partial, seed, salt, rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
         grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p16, inv_keep,
         HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS,
