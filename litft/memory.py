@@ -295,15 +295,15 @@ class _SeededDropoutModule(torch.nn.Dropout):
 class _FusedLoRAAsOnCuda(torch.autograd.Function):
     """The eager trace's stand-in for model.FusedLoRA (train.triton_kernels with train.grad_into_weights on CUDA):
     the same output from torch ops, keeping what FusedLoRA keeps for its backward pass: the layer's input itself
-    (one tensor however many layers read it), the r-wide A output and a seed; no dropped copy, no mask."""
+    (one tensor however many layers read it), or SwiGLU's two inputs for the MLP's proj, the r-wide A output and a
+    seed; no dropped copy, no mask."""
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, linear, scale, p, parts, gate=None, up=None):
         from litft.model import add_low_rank_parts_
 
         after_a = torch.nn.functional.dropout(x, p).mm(lora_a.t())
-        kept = (up, gate) if gate is not None else (x,)
-        ctx.save_for_backward(*kept, after_a, torch.zeros(1, dtype=torch.int64))
+        ctx.save_for_backward(up if gate is not None else x, gate, after_a, torch.zeros(1, dtype=torch.int64))
         return add_low_rank_parts_(linear(x), after_a, lora_b, scale, parts)
 
     @staticmethod

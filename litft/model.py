@@ -704,17 +704,14 @@ class FusedLoRA(torch.autograd.Function):
         add_low_rank_parts_(pretrained, after_a, lora_b, scale, parts)
         # x = silu(gate) * up (the MLP's proj after the SwiGLU kernel): keep the two inputs, which SwiGLU keeps too,
         # and rebuild x in the backward kernel, rather than keep x as well
-        ctx.save_for_backward(*((up, gate) if gate is not None else (x,)), after_a, seed)
+        ctx.save_for_backward(up if gate is not None else x, gate, after_a, seed)
         ctx.linear, ctx.lora_a, ctx.lora_b, ctx.scale, ctx.p, ctx.parts = linear, lora_a, lora_b, scale, p, parts
-        ctx.salt, ctx.rebuilds = salt, gate is not None
+        ctx.salt = salt
         return pretrained
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.rebuilds:
-            x, gate, after_a, seed = ctx.saved_tensors
-        else:
-            (x, after_a, seed), gate = ctx.saved_tensors, None
+        x, gate, after_a, seed = ctx.saved_tensors  # gate None: x is the layer's input itself
         lora_a, lora_b, scale = ctx.lora_a, ctx.lora_b, ctx.scale
         grad = grad.contiguous()
         grad_after_a = _low_rank_b_backward(grad, after_a, lora_b, scale, ctx.parts)
