@@ -8,10 +8,12 @@ flash-attention varlen op with a fixed segment count (the step's sample count + 
 the same cu_seqlens shape for CUDA graphs) and a fixed max length (max_seq_length), so that one captured graph or
 compiled kernel serves every row. This script measures what those fixed bounds cost, and the alternatives:
 
-- varlen, padded segments, max 512 (litft today)
+- torch.nn.attention.varlen's varlen_attn, padded segments, max 512
 - varlen, only the row's own segments, max 512
 - varlen, own segments, max = the row's longest sample
-- cuDNN's varlen attention (aten._cudnn_attention_forward/backward with cu_seqlens; k and v repeated to all heads)
+- litft's own path (model.GroupedFlashAttention: flash attention's varlen ops, k and v at their groups)
+- cuDNN's varlen attention (aten._cudnn_attention_forward with cu_seqlens, its autograd backward), k and v at their
+  groups or repeated to all heads, with the largest difference from litft's path and a CUDA-graph replay check
 - flex_attention (compiled) with a document-causal block mask, grouped k/v
 
 TinyLlama's attention: 32 query heads, 4 k/v groups, head size 64, bf16. Each variant runs the same rows; the
@@ -89,28 +91,79 @@ def varlen_call(segments_of, max_of):
     return run
 
 
-class CudnnVarlen(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest):
-        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False,
-                                                      scale=HEAD_SIZE ** -0.5)
-        ctx.save_for_backward(q, k, v, out[0], out[1], cu, out[6], out[7])
-        ctx.longest = longest
-        return out[0]
+def grouped_flash_call(segments_of):
+    """litft's own path (model.GroupedFlashAttention): flash attention's varlen ops, k and v at their groups."""
+    from litft.model import GroupedFlashAttention
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, o, lse, cu, seed, offset = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(grad.contiguous(), q, k, v, o, lse, cu, cu, ctx.longest,
-                                                              ctx.longest, 0.0, True, seed, offset,
-                                                              scale=HEAD_SIZE ** -0.5)
-        return dq, dk, dv, None, None
+    def run(q, k, v, row, width):
+        cu = cu_seqlens(row, width, segments_of(row), q.device)
+        return GroupedFlashAttention.apply(q, k, v, cu, 512, HEAD_SIZE ** -0.5)
+
+    return run
 
 
-def cudnn_call(q, k, v, row, width):
-    cu = cu_seqlens(row, width, None, q.device)
-    k2, v2 = (x.repeat_interleave(HEADS // GROUPS, dim=1) for x in (k, v))
-    return CudnnVarlen.apply(q, k2, v2, cu, 512)
+def cudnn_call(segments_of, repeat: bool):
+    """cuDNN's varlen attention: aten._cudnn_attention_forward with cu_seqlens (q (N, heads, D), k and v (N, groups,
+    D) or repeated to every head), its backward by the op's own autograd formula (aten._cudnn_attention_backward)."""
+
+    def run(q, k, v, row, width):
+        cu = cu_seqlens(row, width, segments_of(row), q.device)
+        if repeat:
+            k, v = (x.repeat_interleave(HEADS // GROUPS, dim=1) for x in (k, v))
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, 512, 512, True, 0.0, True, False,
+                                                       scale=HEAD_SIZE ** -0.5)[0]
+
+    return run
+
+
+def max_errors(run, reference, rows, width) -> str:
+    """Largest |difference| from the reference path, output and q, k, v gradients, over the rows (bf16 inputs)."""
+    worst = [0.0] * 4
+    q, k, v = make_inputs(width, "cuda")
+    grad = torch.randn(width, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+    for row in rows:
+        results = []
+        for fn in (run, reference):
+            q.grad = k.grad = v.grad = None
+            out = fn(q, k, v, row, width)
+            out.backward(grad)
+            used = sum(row)  # the padding tail's own segment is not compared
+            results.append([t[:used].float() for t in (out, q.grad, k.grad, v.grad)])
+        worst = [max(w, (a - b).abs().max().item()) for w, a, b in zip(worst, *results)]
+    return "out %.3g, dq %.3g, dk %.3g, dv %.3g" % tuple(worst)
+
+
+def graph_replay_error(run, rows, width) -> str:
+    """Capture forward + backward of the first row in a CUDA graph, replay it with each other row's cu_seqlens
+    copied into the captured tensor, and compare with an eager call: the largest |difference| in the output."""
+    q, k, v = make_inputs(width, "cuda")
+    grad = torch.randn(width, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+    segments = max(len(r) for r in rows) + 1
+    cu = cu_seqlens(rows[0], width, segments, q.device)
+
+    def step(cu_now):
+        q.grad = k.grad = v.grad = None
+        out = run(q, k, v, cu_now)
+        out.backward(grad)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(cu)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(cu)
+    worst = 0.0
+    for row in rows[1:]:
+        cu.copy_(cu_seqlens(row, width, segments, q.device))
+        graph.replay()
+        replayed = captured.clone()
+        eager = run(q, k, v, cu_seqlens(row, width, segments, q.device))
+        worst = max(worst, (replayed[:sum(row)].float() - eager[:sum(row)].float()).abs().max().item())
+    return f"{worst:.3g}"
 
 
 def flex_call():
@@ -183,22 +236,28 @@ def main() -> int:
              f" {torch.__version__}, python {platform.python_version()})", "",
              f"Command: `python {' '.join(sys.argv)}`", "",
              "| row capacity | samples/step | rows | mean samples/row | variant | kernel us per row (fwd+bwd) | vs litft today |"
-             " wall us per row |",
-             "|---|---|---|---|---|---|---|---|"]
+             " wall us per row | max abs difference from litft's path (bf16) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    checks = []
     for capacity, per_step in zip(args.tokens, args.samples):
         rows = [row for _ in range(args.steps) for row in pack_rows(sample_lengths(per_step, rng), capacity)]
         # every row at the capacity's width (the widest captured shape), the padding tail its own segment
         width = capacity
         variants = {
-            "varlen, segments padded to samples/step + 1, max 512 (litft today)":
+            "litft GroupedFlashAttention (flash varlen ops, grouped k/v), padded segments, max 512":
+                grouped_flash_call(lambda row: per_step + 1),
+            "varlen_attn, segments padded to samples/step + 1, max 512":
                 varlen_call(lambda row: per_step + 1, lambda row, w: 512),
-            "varlen, the row's own segments, max 512": varlen_call(lambda row: None, lambda row, w: 512),
-            "varlen, own segments, max = longest in the row":
+            "varlen_attn, the row's own segments, max 512": varlen_call(lambda row: None, lambda row, w: 512),
+            "varlen_attn, own segments, max = longest in the row":
                 varlen_call(lambda row: None, lambda row, w: max(max(row), w - sum(row), 1)),
-            "cuDNN varlen (k, v repeated), own segments": cudnn_call,
+            "cuDNN varlen, grouped k/v, padded segments": cudnn_call(lambda row: per_step + 1, repeat=False),
+            "cuDNN varlen, k/v repeated, padded segments": cudnn_call(lambda row: per_step + 1, repeat=True),
+            "cuDNN varlen, grouped k/v, own segments": cudnn_call(lambda row: None, repeat=False),
             "flex_attention, document-causal block mask": flex_call(),
         }
         base = None
+        reference = variants["litft GroupedFlashAttention (flash varlen ops, grouped k/v), padded segments, max 512"]
         for name, run in variants.items():
             try:
                 us, wall = time_variant(run, rows, width, args.repeats)
@@ -208,7 +267,24 @@ def main() -> int:
                 continue
             base = base or us
             mean = sum(len(r) for r in rows) / len(rows)
-            lines.append(f"| {capacity} | {per_step} | {len(rows)} | {mean:.1f} | {name} | {us:.1f} | {us / base:.2f}x | {wall:.1f} |")
+            errors = max_errors(run, reference, rows[:4], width) if "cuDNN" in name else ""
+            lines.append(f"| {capacity} | {per_step} | {len(rows)} | {mean:.1f} | {name} | {us:.1f} | {us / base:.2f}x"
+                         f" | {wall:.1f} | {errors} |")
+        from litft.model import GroupedFlashAttention
+
+        scale = HEAD_SIZE ** -0.5
+        for name, fn in {
+            "litft GroupedFlashAttention": lambda q, k, v, cu: GroupedFlashAttention.apply(q, k, v, cu, 512, scale),
+            "cuDNN varlen, grouped k/v": lambda q, k, v, cu: torch.ops.aten._cudnn_attention_forward(
+                q, k, v, None, cu, cu, 512, 512, True, 0.0, True, False, scale=scale)[0],
+        }.items():
+            try:
+                checks.append(f"- {capacity} positions, {name}: CUDA-graph replay vs eager, max abs difference"
+                              f" {graph_replay_error(fn, rows[:6], width)}")
+            except Exception as err:
+                checks.append(f"- {capacity} positions, {name}: CUDA-graph capture failed: {type(err).__name__}:"
+                              f" {str(err).splitlines()[0][:160] if str(err) else ''}")
+    lines += [""] + checks
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -95,7 +95,8 @@ class MemoryEstimate:
     activations_per_token_layer: int
     """Bytes one token keeps per transformer block (the traced figure)."""
     tokens: int
-    """Tokens per micro-batch the activations were sized for (micro_batch_size x max_seq_length)."""
+    """Tokens per micro-batch the activations were sized for (micro_batch_size x max_seq_length, or
+    data.pack_capacity)."""
     notes: list[str] = field(default_factory=list)
     allocator_overhead: float = ALLOCATOR_OVERHEAD
     """The reserved / allocated factor applied (ALLOCATOR_OVERHEAD, or ALLOCATOR_OVERHEAD_QLORA)."""
@@ -468,9 +469,10 @@ def estimate_memory(
     """Predict the peak GPU memory of a recipe, per GPU, part by part.
 
     `tokens`: positions in the largest micro-batch (a run passes what its data can form); by default the recipe's
-    bound, micro_batch_size x max_seq_length. `cached_only`: return None rather than trace the activations (used by
-    `litft ls`, which must stay instant). `sharding` and `offload` plan a sharded run over recipe.devices GPUs (see
-    shard_model_state; litft's own loop runs DDP, which replicates: 'none')."""
+    bound, micro_batch_size x max_seq_length (data.pack_capacity under data.pack_steps). `cached_only`: return None
+    rather than trace the activations (used by `litft ls`, which must stay instant). `sharding` and `offload` plan a
+    sharded run over recipe.devices GPUs (see shard_model_state; litft's own loop runs DDP, which replicates:
+    'none')."""
     from litft.model import model_config
 
     config = config or model_config(recipe)
@@ -525,7 +527,8 @@ def estimate_memory(
         host_offloaded = shard_model_state(parts, recipe.devices, sharding, offload, block_params, compute_bytes, mixed)
 
     # activations
-    tokens = tokens or recipe.train.micro_batch_size * recipe.data.max_seq_length
+    tokens = tokens or (recipe.step_capacity if recipe.packs_steps else
+                        recipe.train.micro_batch_size * recipe.data.max_seq_length)
     per_token_layer = activation_bytes_per_token_layer(recipe, config, compiled, cached_only)
     if per_token_layer is None:  # cached_only and not traced yet
         return None
@@ -656,10 +659,15 @@ def shard_model_state(parts: list[Part], devices: int, sharding: str, offload: s
 def _candidate_changes(recipe: Recipe) -> list[tuple[str, dict]]:
     t = recipe.train
     out: list[tuple[str, dict]] = []
+    # data.pack_capacity overrides micro_batch_size x max_seq_length as a micro-batch's positions: drop it first
+    unset_capacity = {"data": {"pack_capacity": None}} if recipe.data.pack_capacity is not None else {}
+    if unset_capacity and recipe.data.pack_capacity > t.micro_batch_size * recipe.data.max_seq_length:
+        out.append((f"data.pack_capacity null (micro-batches of {t.micro_batch_size * recipe.data.max_seq_length:,}"
+                    " positions, same global batch)", unset_capacity))
     micro = t.micro_batch_size // 2
     while micro >= 1:
         out.append((f"train.micro_batch_size {micro} (same global batch, more accumulation)",
-                    {"train": {"micro_batch_size": micro}}))
+                    {"train": {"micro_batch_size": micro}, **unset_capacity}))
         micro //= 2
     if not t.activation_checkpointing:
         out.append(("train.activation_checkpointing true (~30% more compute)", {"train": {"activation_checkpointing": True}}))
@@ -713,7 +721,7 @@ def what_would_fit(recipe: Recipe, budget_gib: float) -> list[dict[str, Any]]:
     pairs = []
     for i, (label_a, change_a) in enumerate(changes):
         for label_b, change_b in changes[i + 1 :]:
-            if set(change_a) & set(change_b) - {"train"}:
+            if set(change_a) & set(change_b) - {"train", "data"}:  # these two merge key by key
                 continue
             merged = _merge(change_a, change_b)
             est = estimate_memory(_apply(recipe, merged))

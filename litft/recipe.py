@@ -118,12 +118,19 @@ class DataConfig:
 
     pack_steps: bool = True
     """With packing (no effect when data.packing is false): fill micro-batches by positions rather than by samples.
-    Each optimizer step's samples are packed into as few micro-batches of at most micro_batch_size x max_seq_length
+    Each optimizer step's samples are packed into as few micro-batches of at most data.pack_capacity
     positions as fit (first-fit decreasing), so short samples make fewer, fuller micro-batches at the same peak
     memory. The same samples per step and the same loss normalisation (by the step's loss tokens): the same update,
     up to rounding. An epoch then ends at its last whole step (without it, a step may take its last micro-batches
     from the next epoch). Measured on the H100 (benchmarks/results/pack-steps-tiny): TinyLlama LoRA 25,382 ->
     28,570 real tok/s, QLoRA 21,697 -> 23,273, full 32,046 -> 32,444, same losses."""
+
+    pack_capacity: Optional[int] = None
+    """Positions per micro-batch under data.pack_steps (null: micro_batch_size x max_seq_length). Peak activation
+    memory grows with it (TinyLlama LoRA: ~1.1 MiB per position). A step whose samples overflow it takes one more,
+    short micro-batch, which costs nearly a whole pass of fixed kernel time: 16 Alpaca-like samples (mean 245 tokens)
+    overflow 4,096 positions in 32% of steps, 4,608 in 7% (benchmarks/README.md, session 16). Must be at least
+    data.max_seq_length; needs data.packing and data.pack_steps."""
 
     num_workers: int = 2
     """DataLoader worker processes (0 = load in the training process)."""
@@ -420,8 +427,10 @@ class Recipe:
 
     @property
     def step_capacity(self) -> int:
-        """Positions per micro-batch under data.pack_steps: the same bound as micro_batch_size samples at most
-        max_seq_length long, so the same peak activation memory."""
+        """Positions per micro-batch under data.pack_steps: data.pack_capacity, else the same bound as micro_batch_size
+        samples at most max_seq_length long, so the same peak activation memory."""
+        if self.data.pack_capacity is not None:
+            return self.data.pack_capacity
         return self.train.micro_batch_size * self.data.max_seq_length
 
 
@@ -844,6 +853,13 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
                 f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x devices ="
                 f" {t.micro_batch_size} x {recipe.devices} = {per_step}; try {lower} or {lower + per_step}"
             )
+    if d.pack_capacity is not None:
+        if not (d.packing and d.pack_steps):
+            problems.append(f"data.pack_capacity: {d.pack_capacity} needs data.packing and data.pack_steps (both true);"
+                            " set it to null, or turn both on")
+        elif d.pack_capacity < d.max_seq_length:
+            problems.append(f"data.pack_capacity: {d.pack_capacity} is below data.max_seq_length {d.max_seq_length}:"
+                            " a sample must fit one micro-batch; use at least that, or null")
     if t.save_interval is not None and t.save_interval < 1:
         problems.append(f"train.save_interval: must be at least 1 or null, got {t.save_interval}")
     if t.keep_last_n < 1:

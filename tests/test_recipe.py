@@ -206,3 +206,34 @@ def test_pack_steps_is_on_by_default_and_only_takes_effect_with_packing(tiny_rec
     padded = tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 2}, data={"packing": False})
     assert padded.data.pack_steps and not padded.packs_steps and validate(padded, check_paths=False) == []
     assert padded.loader_batch_size == 2 and "pack_steps" not in padded.batch_arithmetic()
+
+
+def test_pack_capacity_sets_the_positions_per_packed_micro_batch(tiny_recipe):
+    """data.pack_capacity replaces micro_batch_size x max_seq_length as a packed micro-batch's positions: in the
+    loader's capacity, the batch line and the memory ledger's tokens; it must fit a whole sample, and it needs
+    packed steps."""
+    from litft.memory import _candidate_changes
+    from litft.recipe import validate
+
+    roomy = tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 2}, data={"max_seq_length": 96,
+                                                                                    "pack_capacity": 256})
+    assert validate(roomy, check_paths=False) == []
+    assert roomy.step_capacity == 256 and roomy.loader_batch_size == 8
+    assert "micro-batches filled to 256 positions (data.pack_steps)" in roomy.batch_arithmetic()
+    # what would fit drops the capacity first, and with every smaller micro batch
+    changes = dict(_candidate_changes(roomy))
+    assert changes["data.pack_capacity null (micro-batches of 192 positions, same global batch)"] == \
+        {"data": {"pack_capacity": None}}
+    assert changes["train.micro_batch_size 1 (same global batch, more accumulation)"] == \
+        {"train": {"micro_batch_size": 1}, "data": {"pack_capacity": None}}
+
+    with pytest.raises(ConfigError) as short:
+        tiny_recipe(data={"max_seq_length": 96, "pack_capacity": 64})
+    assert short.value.problems == [
+        "data.pack_capacity: 64 is below data.max_seq_length 96: a sample must fit one micro-batch; use at least"
+        " that, or null"]
+    with pytest.raises(ConfigError) as unpacked:
+        tiny_recipe(data={"max_seq_length": 96, "pack_capacity": 256, "pack_steps": False})
+    assert unpacked.value.problems == [
+        "data.pack_capacity: 256 needs data.packing and data.pack_steps (both true); set it to null, or turn both on"]
+
