@@ -419,61 +419,79 @@ if triton is not None:
                          tl.join(tl.join(w2 & 0xFFFF, (w2 >> 16) & 0xFFFF), tl.join(w3 & 0xFFFF, (w3 >> 16) & 0xFFFF)))
         return tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16  # (BLOCK_M, BLOCK_K // 8, 2, 2, 2) flattened
 
-    @triton.jit(do_not_specialize=["M", "salt"])
-    def _lora_down_kernel(x_ptr, a_ptr, out_ptr, seed_ptr, salt, M, K, R, stride_x, stride_a, stride_out,
-                          stride_split, columns_per_split, p16, inv_keep,
+    @triton.jit(do_not_specialize=["M", "salt", "salt2"])
+    def _lora_down_kernel(x_ptr, a_ptr, a2_ptr, out_ptr, seed_ptr, salt, salt2, M, K, R, stride_x, stride_a,
+                          stride_out, stride_split, columns_per_split, p16, inv_keep,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                          PRECISION: tl.constexpr, ROUNDS: tl.constexpr):
+                          PRECISION: tl.constexpr, ROUNDS: tl.constexpr, PAIR: tl.constexpr):
         # program (row block, column split): out[split, rows] = dropout(x[rows, split's columns]) @ a[:, those]^T, the
         # mask applied as x is read. One split: out is the result; more: fp32 partial sums, which
-        # _add_partials_kernel adds.
+        # _add_partials_kernel adds. PAIR: a second adapter over the same x (a2, its own mask from salt2), written
+        # to out's columns R ... 2R - 1 from the same read of x.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
-        seed = tl.load(seed_ptr) + salt
+        seed = tl.load(seed_ptr)
         row_counters = tl.cdiv(K, 64) * 8
         dtype = x_ptr.dtype.element_ty
         first = split * columns_per_split
         stop = tl.minimum(first + columns_per_split, K)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for start in range(first, stop, BLOCK_K):
             columns = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + columns[None, :],
                         mask=(rows[:, None] < M) & (columns[None, :] < stop), other=0.0)
-            x = tl.where(_lora_keep(seed, rows, start, row_counters, p16, BLOCK_K, ROUNDS), x, 0.0).to(dtype)
-            a = tl.load(a_ptr + r[None, :] * stride_a + columns[:, None],
-                        mask=(r[None, :] < R) & (columns[:, None] < stop), other=0.0).to(dtype)
-            acc += tl.dot(x, a, input_precision=PRECISION)
-        tl.store(out_ptr + split.to(tl.int64) * stride_split + rows[:, None].to(tl.int64) * stride_out + r[None, :],
-                 (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (r[None, :] < R))
+            at_a = r[None, :] * stride_a + columns[:, None]
+            in_a = (r[None, :] < R) & (columns[:, None] < stop)
+            kept = tl.where(_lora_keep(seed + salt, rows, start, row_counters, p16, BLOCK_K, ROUNDS), x, 0.0)
+            acc += tl.dot(kept.to(dtype), tl.load(a_ptr + at_a, mask=in_a, other=0.0).to(dtype),
+                          input_precision=PRECISION)
+            if PAIR:
+                kept = tl.where(_lora_keep(seed + salt2, rows, start, row_counters, p16, BLOCK_K, ROUNDS), x, 0.0)
+                acc2 += tl.dot(kept.to(dtype), tl.load(a2_ptr + at_a, mask=in_a, other=0.0).to(dtype),
+                               input_precision=PRECISION)
+        at_out = out_ptr + split.to(tl.int64) * stride_split + rows[:, None].to(tl.int64) * stride_out + r[None, :]
+        in_out = (rows[:, None] < M) & (r[None, :] < R)
+        tl.store(at_out, (acc * inv_keep).to(out_ptr.dtype.element_ty), mask=in_out)
+        if PAIR:
+            tl.store(at_out + R, (acc2 * inv_keep).to(out_ptr.dtype.element_ty), mask=in_out)
 
-    @triton.jit(do_not_specialize=["M", "rows_per_split", "salt"])
-    def _lora_down_backward_kernel(x_ptr, gate_ptr, a_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr, seed_ptr, salt,
-                                   M, K, R, stride_x, stride_a, stride_g, stride_grad, rows_per_split, p16, inv_keep,
+    @triton.jit(do_not_specialize=["M", "rows_per_split", "salt", "salt2"])
+    def _lora_down_backward_kernel(x_ptr, gate_ptr, a_ptr, a2_ptr, g_ptr, grad_in_ptr, grad_x_ptr, partial_ptr,
+                                   seed_ptr, salt, salt2, M, K, R, stride_x, stride_a, stride_g, stride_grad,
+                                   rows_per_split, p16, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                                   ROUNDS: tl.constexpr, SWIGLU: tl.constexpr):
+                                   ROUNDS: tl.constexpr, SWIGLU: tl.constexpr, PAIR: tl.constexpr):
         # program (column block, split): BLOCK_K columns over one split's rows. Per (BLOCK_M, BLOCK_K) tile of x:
         # acc (BLOCK_R, BLOCK_K) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the
-        # split's partial sum of a's gradient over those columns, in fp32.
+        # split's partial sum of a's gradient over those columns, in fp32. PAIR: a second adapter over the same x
+        # (a2; its g in g's columns R ... 2R - 1; its mask from salt2) from the same reads of x and grad_in, its
+        # share of grad_x added before the one write, its partial sums after all splits' of the first.
         split = tl.program_id(1)
-        seed = tl.load(seed_ptr) + salt
+        seed = tl.load(seed_ptr)
         row_counters = tl.cdiv(K, 64) * 8
         dtype = x_ptr.dtype.element_ty
         first = tl.program_id(0) * BLOCK_K
         columns = first + tl.arange(0, BLOCK_K)
         r = tl.arange(0, BLOCK_R)
-        a = tl.load(a_ptr + r[:, None] * stride_a + columns[None, :], mask=(r[:, None] < R) & (columns[None, :] < K),
-                    other=0.0).to(dtype)  # (BLOCK_R, BLOCK_K)
+        at_a = r[:, None] * stride_a + columns[None, :]
+        in_a = (r[:, None] < R) & (columns[None, :] < K)
+        a = tl.load(a_ptr + at_a, mask=in_a, other=0.0).to(dtype)  # (BLOCK_R, BLOCK_K)
+        if PAIR:
+            a2 = tl.load(a2_ptr + at_a, mask=in_a, other=0.0).to(dtype)
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
         start = split * rows_per_split
         stop = tl.minimum(start + rows_per_split, M)
         for row in range(start, stop, BLOCK_M):
             rows = row + tl.arange(0, BLOCK_M)
             inside = (rows[:, None] < stop) & (columns[None, :] < K)
-            keep = _lora_keep(seed, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
-            g = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :],
-                        mask=(rows[:, None] < stop) & (r[None, :] < R), other=0.0).to(dtype)
+            keep = _lora_keep(seed + salt, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
+            at_g = g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :]
+            in_g = (rows[:, None] < stop) & (r[None, :] < R)
+            g = tl.load(at_g, mask=in_g, other=0.0).to(dtype)
             at_x = rows[:, None].to(tl.int64) * stride_x + columns[None, :]
             if SWIGLU:  # x = silu(gate) * up, rebuilt as _swiglu_forward_kernel computed it (x_ptr: the up input)
                 gate = tl.load(gate_ptr + at_x, mask=inside, other=0.0).to(tl.float32)
@@ -483,12 +501,21 @@ if triton is not None:
             acc += tl.dot(tl.trans(g), tl.where(keep, x, 0.0).to(dtype), input_precision=PRECISION)
             if WRITE_GRAD_X:
                 grad_x = tl.where(keep, tl.dot(g, a, input_precision=PRECISION) * inv_keep, 0.0)
+            if PAIR:
+                keep2 = _lora_keep(seed + salt2, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
+                g2 = tl.load(at_g + R, mask=in_g, other=0.0).to(dtype)
+                acc2 += tl.dot(tl.trans(g2), tl.where(keep2, x, 0.0).to(dtype), input_precision=PRECISION)
+                if WRITE_GRAD_X:
+                    grad_x += tl.where(keep2, tl.dot(g2, a2, input_precision=PRECISION) * inv_keep, 0.0)
+            if WRITE_GRAD_X:
                 at = rows[:, None].to(tl.int64) * stride_grad + columns[None, :]
                 if HAS_GRAD_IN:
                     grad_x += tl.load(grad_in_ptr + at, mask=inside, other=0.0).to(tl.float32)
                 tl.store(grad_x_ptr + at, grad_x.to(grad_x_ptr.dtype.element_ty), mask=inside)
-        tl.store(partial_ptr + split.to(tl.int64) * R * K + r[:, None] * K + columns[None, :], acc * inv_keep,
-                 mask=(r[:, None] < R) & (columns[None, :] < K))
+        at_partial = partial_ptr + split.to(tl.int64) * R * K + r[:, None] * K + columns[None, :]
+        tl.store(at_partial, acc * inv_keep, mask=in_a)
+        if PAIR:  # after every split's partial sums of the first adapter
+            tl.store(at_partial + tl.num_programs(1).to(tl.int64) * R * K, acc2 * inv_keep, mask=in_a)
 
 
 _PARTIALS_BLOCK = 1024
@@ -550,6 +577,7 @@ def _lora_down_backward_launch(k: int, r: int) -> dict:
 
 
 def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, salt: int = 0, *,
+              a2: torch.Tensor | None = None, salt2: int = 0,
               block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
               splits: int | None = None) -> torch.Tensor:
     """dropout(x) @ a^T for x (rows, K) and a LoRA A matrix a (R, K), in one pass over x: the mask (drop with
@@ -559,12 +587,18 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
     draws the same mask. Accumulates in fp32; returns (rows, R) in x's dtype. With ``splits`` > 1 the columns are
     split over that many programs per row block, each writing an fp32 partial sum, and one more kernel adds them:
     more programs in flight on the short inputs of a micro-batch, and each program reads a slice of a, not all of it.
-    ``block_m``, ``block_k``, ``num_warps``, ``splits``: the launch (else :func:`_lora_down_launch`'s), for
-    benchmarks/lora_kernel_bench.py."""
+    With ``a2`` (R, K), a second adapter of the same input (LLaMA's fc_1 and fc_2) with its own mask (``salt2``),
+    from the same read of x: returns (rows, 2 R), dropout(x) @ a^T in the first R columns, dropout2(x) @ a2^T in
+    the rest, the masks those of two calls with each salt. ``block_m``, ``block_k``, ``num_warps``, ``splits``: the
+    launch (else :func:`_lora_down_launch`'s), for benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     a = a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
+    if a2 is not None:
+        a2 = a2.contiguous()
+        assert a2.shape == a.shape and a2.dtype == a.dtype
+    width = r if a2 is None else 2 * r  # output columns
     _lora_check_counters(rows, k)
     p16, inv_keep = _lora_p16(p)
     launch = _lora_down_launch(k)
@@ -572,22 +606,24 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
     splits = min(splits or launch["splits"], triton.cdiv(k, block_k))
     columns_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # whole tiles: masks start at 8s
     splits = triton.cdiv(k, columns_per_split)
-    out = torch.empty((rows, r), dtype=x.dtype, device=x.device)
-    partial = out if splits == 1 else torch.empty((splits, rows, r), dtype=torch.float32, device=x.device)
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    partial = out if splits == 1 else torch.empty((splits, rows, width), dtype=torch.float32, device=x.device)
     _lora_down_kernel[(triton.cdiv(rows, block_m), splits)](
-        x, a, partial, seed, salt, rows, k, r, x.stride(0), a.stride(0), r, rows * r, columns_per_split, p16,
-        inv_keep, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)),
-        PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS, num_warps=num_warps or launch["num_warps"])
+        x, a, a2 if a2 is not None else a, partial, seed, salt, salt2, rows, k, r, x.stride(0), a.stride(0), width,
+        rows * width, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
+        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS,
+        PAIR=a2 is not None, num_warps=num_warps or launch["num_warps"])
     if splits > 1:
-        _add_partials_kernel[(triton.cdiv(rows * r, _PARTIALS_BLOCK),)](partial, out, rows * r, splits,
-                                                                         BLOCK=_PARTIALS_BLOCK, ACCUMULATE=False,
-                                                                         num_warps=4)
+        _add_partials_kernel[(triton.cdiv(rows * width, _PARTIALS_BLOCK),)](partial, out, rows * width, splits,
+                                                                             BLOCK=_PARTIALS_BLOCK, ACCUMULATE=False,
+                                                                             num_warps=4)
     return out
 
 
 def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Tensor, p: float, seed: torch.Tensor,
                        grad_in: torch.Tensor | None, input_grad: bool = True, grad_a: torch.Tensor | None = None,
                        salt: int = 0, gate: torch.Tensor | None = None, *,
+                       a2: torch.Tensor | None = None, salt2: int = 0, grad_a2: torch.Tensor | None = None,
                        block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                        programs_per_sm: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The backward pass of lora_down in one pass over x (and over ``grad_in``): the gradient with respect to x,
@@ -598,7 +634,10 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     ``grad_a`` (a's .grad, contiguous, any float dtype) by one more kernel, which then returns it: where torch's sum
     and add_ run two. With ``gate`` the layer's input is silu(gate) * x (LLaMA's SwiGLU: gate = fc_1's output,
     x = fc_2's), rebuilt tile by tile as swiglu_forward computed it: the caller keeps the two inputs, which SwiGLU's
-    backward pass keeps anyway, not the product (TinyLlama: 11,264 bytes per token and block). ``block_m``,
+    backward pass keeps anyway, not the product (TinyLlama: 11,264 bytes per token and block). With ``a2`` (the
+    pair of lora_down's ``a2``; ``grad_after_a`` then (rows, 2 R), a2's share in its last R columns): both adapters'
+    gradients from one pass over x and ``grad_in``, their two shares of the input gradient added before the one
+    write, and a2's gradient added into ``grad_a2`` (as a's into ``grad_a``; both required). ``block_m``,
     ``block_k``, ``num_warps``, ``programs_per_sm``: the launch (else :func:`_lora_down_backward_launch`'s), for
     benchmarks/lora_kernel_bench.py."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -607,6 +646,11 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     a, grad_after_a = a.contiguous(), grad_after_a.contiguous()
     rows, k = x.shape
     r = a.shape[0]
+    pair = 2 if a2 is not None else 1
+    if a2 is not None:
+        a2 = a2.contiguous()
+        assert a2.shape == a.shape and grad_a is not None and grad_a2 is not None and grad_a2.is_contiguous()
+    assert grad_after_a.shape == (rows, pair * r)
     _lora_check_counters(rows, k)
     p16, inv_keep = _lora_p16(p)
     if grad_in is not None:
@@ -620,15 +664,20 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(per_sm * sms, column_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
     splits = triton.cdiv(rows, rows_per_split)
-    partial = torch.empty((splits, r, k), dtype=torch.float32, device=x.device)
+    partial = torch.empty((pair * splits, r, k), dtype=torch.float32, device=x.device)  # a2's after a's
     _lora_down_backward_kernel[(column_blocks, splits)](
-        x, gate if gate is not None else x, a, grad_after_a, grad_in if grad_in is not None else x,
-        grad_x if grad_x is not None else x, partial, seed, salt, rows, k, r, x.stride(0), a.stride(0), grad_after_a.stride(0),
-        grad_x.stride(0) if grad_x is not None else x.stride(0), rows_per_split, p16, inv_keep,
-        HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS,
-        SWIGLU=gate is not None, num_warps=num_warps or launch["num_warps"])
+        x, gate if gate is not None else x, a, a2 if a2 is not None else a, grad_after_a,
+        grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed, salt, salt2, rows,
+        k, r, x.stride(0), a.stride(0), grad_after_a.stride(0), grad_x.stride(0) if grad_x is not None else x.stride(0),
+        rows_per_split, p16, inv_keep, HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m,
+        BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x),
+        ROUNDS=LORA_PHILOX_ROUNDS, SWIGLU=gate is not None, PAIR=a2 is not None,
+        num_warps=num_warps or launch["num_warps"])
     grad_x = grad_x if input_grad else None
+    if a2 is not None:
+        _add_partials_kernel[(triton.cdiv(r * k, _PARTIALS_BLOCK),)](partial[splits:], grad_a2, r * k, splits,
+                                                                     BLOCK=_PARTIALS_BLOCK, ACCUMULATE=True,
+                                                                     num_warps=4)
     if grad_a is None:
         return grad_x, partial.sum(0) if splits > 1 else partial[0]
     assert grad_a.shape == (r, k) and grad_a.is_contiguous()

@@ -383,6 +383,43 @@ def test_lora_down_backward_rebuilds_a_swiglu_input_as_the_forward_kernel_made_i
         torch.testing.assert_close(got, wanted, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_lora_down_pair_is_two_adapters_with_their_own_masks_from_one_read(device, splits):
+    """lora_down with ``a2`` (LLaMA's fc_1 and fc_2 over one input) gives what two calls give, each adapter with the
+    mask of its own salt, side by side; lora_down_backward with ``a2`` gives both adapters' gradients and the sum of
+    their input-gradient shares added into the frozen layers' one, as two calls and an add do. fp32, interpreter."""
+    torch.manual_seed(0)
+    rows, k, r, p = 70, 80, 12, 0.25
+    seed, salt, salt2 = torch.tensor([24680], device=device), 5, 6
+    x = torch.randn(rows, k, device=device)
+    a, a2 = torch.randn(r, k, device=device), torch.randn(r, k, device=device)
+    both = kernels.lora_down(x, a, p, seed, salt, a2=a2, salt2=salt2, splits=splits, block_k=64)
+    assert both.shape == (rows, 2 * r)
+    alone = (kernels.lora_down(x, a, p, seed, salt, splits=splits, block_k=64),
+             kernels.lora_down(x, a2, p, seed, salt2, splits=splits, block_k=64))
+    assert not torch.allclose(alone[0], kernels.lora_down(x, a, p, seed, salt2, splits=splits, block_k=64))
+    torch.testing.assert_close(both, torch.cat(alone, dim=1), rtol=1e-6, atol=1e-6)
+
+    grad_after_a, frozen_grad = torch.randn(rows, 2 * r, device=device), torch.randn(rows, k, device=device)
+    earlier, earlier2 = torch.randn(r, k, device=device), torch.randn(r, k, device=device)
+    grad_a, grad_a2 = earlier.clone(), earlier2.clone()
+    grad_x, _ = kernels.lora_down_backward(x, a, grad_after_a, p, seed, frozen_grad.clone(), grad_a=grad_a, salt=salt,
+                                           a2=a2, salt2=salt2, grad_a2=grad_a2)
+    first, expected_a = kernels.lora_down_backward(x, a, grad_after_a[:, :r].contiguous(), p, seed, None, salt=salt)
+    second, expected_a2 = kernels.lora_down_backward(x, a2, grad_after_a[:, r:].contiguous(), p, seed, None,
+                                                     salt=salt2)
+    torch.testing.assert_close(grad_x, frozen_grad + first + second, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_a, earlier + expected_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_a2, earlier2 + expected_a2, rtol=1e-5, atol=1e-5)
+    # without the input gradient (an input that needs none): the adapters' gradients only
+    grad_a, grad_a2 = earlier.clone(), earlier2.clone()
+    none, _ = kernels.lora_down_backward(x, a, grad_after_a, p, seed, None, input_grad=False, grad_a=grad_a, salt=salt,
+                                         a2=a2, salt2=salt2, grad_a2=grad_a2)
+    assert none is None
+    torch.testing.assert_close(grad_a2, earlier2 + expected_a2, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
     """At a TinyLlama layer's sizes (4,096 rows, K = 2,048 and 5,632, r x 3 = 96 for q, k, v) in bf16: the kernels
@@ -420,35 +457,44 @@ def compile_for_sm90(kernel, signature, constexprs):
     # the divisibility a real call's pointers, sizes and strides get (multiples of 16): the specialisation under which
     # the first version of these kernels failed to compile on the H100
     divisible = [i for i, (name, kind) in enumerate(signature.items())
-                 if kind.startswith("*") or (kind == "i32" and name not in ("M", "rows_per_split", "salt", "p16"))]
+                 if kind.startswith("*") or (kind == "i32" and name not in ("M", "rows_per_split", "salt", "salt2", "p16"))]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32", "M": "i32",
+forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "a2_ptr": "*bf16", "out_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32",
+           "salt2": "i32", "M": "i32",
            "K": "i32", "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "stride_split": "i32",
            "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-           "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr"}
-backward = {"x_ptr": "*bf16", "gate_ptr": "*bf16", "a_ptr": "*bf16", "g_ptr": "*bf16", "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16",
-            "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "M": "i32", "K": "i32", "R": "i32",
+           "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "PAIR": "constexpr"}
+backward = {"x_ptr": "*bf16", "gate_ptr": "*bf16", "a_ptr": "*bf16", "a2_ptr": "*bf16", "g_ptr": "*bf16",
+            "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16", "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32",
+            "salt2": "i32", "M": "i32", "K": "i32", "R": "i32",
             "stride_x": "i32", "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
             "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
             "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr",
-            "SWIGLU": "constexpr"}
+            "SWIGLU": "constexpr", "PAIR": "constexpr"}
 for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _lora_down*_launch picks
     block_r = max(16, kernels._next_power_of_2(r))
     launch = kernels._lora_down_launch(k)
+    pairs = (False, True) if (k, r) == (2048, 32) else (False,)  # the pair: LLaMA's fc_1 and fc_2 over one input
     for out in ("*bf16", "*fp32"):  # the result, or the splits' partial sums
-        compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
-                         {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
-                          "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
+        for pair in pairs:
+            compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
+                             {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
+                              "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "PAIR": pair,
+                              "num_warps": launch["num_warps"]})
     launch = kernels._lora_down_backward_launch(k, r)
-    for has_grad_in, write_grad_x, swiglu in ((True, True, False), (False, True, False), (False, False, False),
-                                              (True, True, True)):
+    variants = [(True, True, False, False), (False, True, False, False), (False, False, False, False),
+                (True, True, True, False)]  # (HAS_GRAD_IN, WRITE_GRAD_X, SWIGLU, PAIR)
+    if True in pairs:
+        variants += [(True, True, False, True), (False, False, False, True)]
+    for has_grad_in, write_grad_x, swiglu, pair in variants:
         compile_for_sm90(kernels._lora_down_backward_kernel, backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                           "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x, "PRECISION": "tf32",
-                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "SWIGLU": swiglu, "num_warps": launch["num_warps"]})
+                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "SWIGLU": swiglu, "PAIR": pair,
+                          "num_warps": launch["num_warps"]})
 for accumulate in (True, False):
     compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
                                                      "splits": "i32", "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
