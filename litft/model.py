@@ -493,13 +493,43 @@ class SwiGLU(torch.autograd.Function):
 
 def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LLaMAMLP.forward with SwiGLU's silu recomputed in the backward pass (train.lean_swiglu), in Triton kernels on
-    CUDA with train.triton_kernels. A LoRA proj (lora_linear_forward) is also told SwiGLU's inputs when the kernel
-    made its input: as FusedLoRA it keeps those, not its input."""
-    gate, up = self.fc_1(x), self.fc_2(x)
+    CUDA with train.triton_kernels. LoRA fc_1 and fc_2 that would each run as FusedLoRA run as one FusedLoRAPair.
+    A LoRA proj (lora_linear_forward) is also told SwiGLU's inputs when the kernel made its input: as FusedLoRA it
+    keeps those, not its input."""
+    rows = x.reshape(-1, x.shape[-1])
+    if _fused_lora_pair_applies(self.fc_1, self.fc_2, rows):
+        seed, salt, salt2 = _lora_pair_seed(self.fc_1, self.fc_2, rows.device)
+        gate, up = FusedLoRAPair.apply(rows, self.fc_1, self.fc_2, self.fc_1.lora_A, self.fc_1.lora_B,
+                                       self.fc_2.lora_A, self.fc_2.lora_B, _dropout_p(self.fc_1), seed, salt, salt2)
+        gate, up = gate.view(*x.shape[:-1], -1), up.view(*x.shape[:-1], -1)
+    else:
+        gate, up = self.fc_1(x), self.fc_2(x)
     out = SwiGLU.apply(gate, up, self.triton_kernels)
     if self.triton_kernels and kernels.available(gate) and _takes_swiglu_inputs(self.proj):
         return self.proj(out, swiglu_inputs=(gate, up))
     return self.proj(out)
+
+
+def _fused_lora_pair_applies(first: torch.nn.Module, second: torch.nn.Module, rows: torch.Tensor) -> bool:
+    """FusedLoRAPair runs for two layers over one input: each a LoRALinear (lora_linear_forward) of the same rank,
+    adapted and not merged, that would run as FusedLoRA (:func:`_fused_lora_applies`), with one dropout
+    probability."""
+    def fused(layer) -> bool:
+        return (getattr(layer.forward, "__func__", None) is lora_linear_forward and layer.r > 0 and not layer.merged
+                and _fused_lora_applies(layer, rows))
+
+    return (fused(first) and fused(second) and first.lora_A.shape == second.lora_A.shape
+            and first.lora_A.dtype == second.lora_A.dtype and _dropout_p(first) == _dropout_p(second))
+
+
+def _lora_pair_seed(first: torch.nn.Module, second: torch.nn.Module, device: torch.device) -> tuple:
+    """(seed, salt, salt2) for FusedLoRAPair: the forward pass's shared seed and each layer's own salt, the masks
+    each would draw as FusedLoRA (:func:`_lora_seed`); without a shared seed, one drawn for the pair, salts 0 and 1."""
+    seeds = getattr(first, "lora_seeds", None)
+    if (seeds is not None and seeds is getattr(second, "lora_seeds", None) and seeds.tensor is not None
+            and seeds.tensor.device == device):
+        return seeds.tensor, first.lora_salt, second.lora_salt
+    return torch.randint(2**62, (1,), device=device), 0, 1
 
 
 def _takes_swiglu_inputs(layer: torch.nn.Module) -> bool:
@@ -668,16 +698,19 @@ class SeededDropout(torch.autograd.Function):
         return kernels.dropout(grad, ctx.p, seed), None
 
 
-def _frozen_input_grad(linear: torch.nn.Module, grad: torch.Tensor) -> torch.Tensor:
+def _frozen_input_grad(linear: torch.nn.Module, grad: torch.Tensor,
+                       into: torch.Tensor | None = None) -> torch.Tensor:
     """grad @ W for a frozen base layer: nn.Linear's weight, or bitsandbytes' 4-bit weight dequantized as its own
-    backward pass does it (bitsandbytes.autograd MatMul4Bit: dequantize_4bit, then one matmul)."""
+    backward pass does it (bitsandbytes.autograd MatMul4Bit: dequantize_4bit, then one matmul). With ``into``: added
+    into it by the matmul (beta = 1), which is returned."""
     weight = linear.weight
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is not None:
         import bitsandbytes.functional as bnbF
 
-        return grad.mm(bnbF.dequantize_4bit(weight.data.view(-1, 1), quant_state).to(grad.dtype))
-    return grad.mm(weight.to(grad.dtype))
+        weight = bnbF.dequantize_4bit(weight.data.view(-1, 1), quant_state)
+    weight = weight.to(grad.dtype)
+    return grad.mm(weight) if into is None else into.addmm_(grad, weight)
 
 
 class FusedLoRA(torch.autograd.Function):
@@ -725,17 +758,68 @@ class FusedLoRA(torch.autograd.Function):
 
 
 def _low_rank_b_backward(grad: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                         parts: tuple) -> torch.Tensor:
-    """B's half of a LoRA layer's backward pass (LowRankUpdate, FusedLoRA): B's gradient added into .grad by its
-    matmuls, and the gradient with respect to the r-wide A output, returned."""
+                         parts: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+    """B's half of a LoRA layer's backward pass (LowRankUpdate, FusedLoRA, FusedLoRAPair): B's gradient added into
+    .grad by its matmuls, and the gradient with respect to the r-wide A output, returned (written into ``out``, a
+    tensor of after_a's shape, if given)."""
     if lora_b.grad is None:
         lora_b.grad = torch.zeros_like(lora_b)
-    grad_after_a = torch.empty_like(after_a)
+    grad_after_a = torch.empty_like(after_a) if out is None else out
     for columns, b_rows, a_columns in parts:
         block = grad[:, columns]
         lora_b.grad[b_rows].addmm_(block.t(), after_a[:, a_columns], alpha=scale)
         grad_after_a[:, a_columns].addmm_(block, lora_b[b_rows], beta=0, alpha=scale)  # beta 0: not read
     return grad_after_a
+
+
+class FusedLoRAPair(torch.autograd.Function):
+    """Two LoRA layers over one input, as LLaMA's MLP runs fc_1 and fc_2 on the same normed x: FusedLoRA for both,
+    with their A sides in one kernel each way (kernels.lora_down / lora_down_backward with ``a2``) and their input
+    gradients summed by the matmuls. Each layer keeps its own dropout mask (its own salt), so the outputs and
+    gradients are those of the two FusedLoRA layers and autograd's add of their input gradients.
+
+    Per micro-batch and block this saves, against two FusedLoRA layers: one read of x forward; backward one read of
+    x, of the frozen input gradient and one write of the sum (the pair kernel adds both adapters' shares in one
+    pass, where two kernels each read and write it), and autograd's add of the two input gradients (TinyLlama: 3
+    passes over a (tokens x 2,048) tensor). The second frozen layer's input gradient is added by its matmul (beta
+    = 1). Keeps x once, the (tokens x 2 r) A output and the seed: what the two layers keep."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, first: torch.nn.Module, second: torch.nn.Module, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, lora_a2: torch.Tensor, lora_b2: torch.Tensor, p: float, seed: torch.Tensor,
+                salt: int, salt2: int):
+        gate, up = first.linear(x), second.linear(x)
+        after_a = kernels.lora_down(x, lora_a, p, seed, salt, a2=lora_a2, salt2=salt2)  # (tokens, 2 r)
+        r = lora_a.shape[0]
+        add_low_rank_parts_(gate, after_a[:, :r], lora_b, first.scaling, lora_parts(first))
+        add_low_rank_parts_(up, after_a[:, r:], lora_b2, second.scaling, lora_parts(second))
+        ctx.save_for_backward(x, after_a, seed)
+        ctx.first, ctx.second, ctx.p, ctx.salt, ctx.salt2 = first, second, p, salt, salt2
+        ctx.adapters = (lora_a, lora_b, lora_a2, lora_b2)  # parameters: reach their .grad
+        return gate, up
+
+    @staticmethod
+    def backward(ctx, grad_gate: torch.Tensor, grad_up: torch.Tensor):
+        x, after_a, seed = ctx.saved_tensors
+        first, second = ctx.first, ctx.second
+        lora_a, lora_b, lora_a2, lora_b2 = ctx.adapters
+        grad_gate, grad_up = grad_gate.contiguous(), grad_up.contiguous()
+        r = lora_a.shape[0]
+        grad_after_a = torch.empty_like(after_a)
+        _low_rank_b_backward(grad_gate, after_a[:, :r], lora_b, first.scaling, lora_parts(first),
+                             out=grad_after_a[:, :r])
+        _low_rank_b_backward(grad_up, after_a[:, r:], lora_b2, second.scaling, lora_parts(second),
+                             out=grad_after_a[:, r:])
+        for a in (lora_a, lora_a2):
+            if a.grad is None:
+                a.grad = torch.zeros_like(a)
+        input_grad = ctx.needs_input_grad[0]
+        frozen = (_frozen_input_grad(second.linear, grad_up, into=_frozen_input_grad(first.linear, grad_gate))
+                  if input_grad else None)
+        grad_x, _ = kernels.lora_down_backward(x, lora_a, grad_after_a, ctx.p, seed, frozen, input_grad=input_grad,
+                                               grad_a=lora_a.grad, salt=ctx.salt, a2=lora_a2, salt2=ctx.salt2,
+                                               grad_a2=lora_a2.grad)
+        return grad_x, None, None, None, None, None, None, None, None, None, None
 
 
 class LoRASeeds:

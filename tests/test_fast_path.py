@@ -254,6 +254,87 @@ def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, 
         torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("base", ["linear", "nf4"])
+def test_fused_lora_pair_is_two_fused_lora_layers_and_their_input_gradients_summed(base):
+    """model.FusedLoRAPair (fc_1 and fc_2 over one input, their A sides in one kernel each way) gives what two
+    FusedLoRA layers with the same seed and salts give: each output, each adapter's gradients, and x's gradient as
+    autograd's sum of the two; over a 4-bit base too (bitsandbytes' nf4 layer on the CPU). fp32, interpreter."""
+    from litgpt.lora import LoRALinear
+
+    from litft.model import FusedLoRA, FusedLoRAPair, lora_parts
+
+    p = 0.3
+    torch.manual_seed(0)
+    layers = [LoRALinear(80, 40, r=4, lora_alpha=8, lora_dropout=p) for _ in range(2)]
+    for layer in layers:
+        layer.linear.weight.requires_grad_(False)
+        torch.nn.init.normal_(layer.lora_B, std=0.1)
+        if base == "nf4":
+            import bitsandbytes as bnb
+
+            quantized = bnb.nn.Linear4bit(80, 40, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+            quantized.weight = bnb.nn.Params4bit(layer.linear.weight.data.clone(), requires_grad=False,
+                                                 quant_type="nf4")
+            layer.linear = quantized.to("cpu")  # quantizes
+    first, second = layers
+    x = torch.randn(14, 80, requires_grad=True)
+    weights = torch.linspace(-1, 1, 40)
+    seed, salt, salt2 = torch.tensor([2**41 + 3]), 4, 9
+
+    def loss(gate, up):
+        return (gate * weights).square().sum() + (up * weights.flip(0)).sum()
+
+    def grads():
+        found = (x.grad, first.lora_A.grad, first.lora_B.grad, second.lora_A.grad, second.lora_B.grad)
+        x.grad = first.lora_A.grad = first.lora_B.grad = second.lora_A.grad = second.lora_B.grad = None
+        return found
+
+    gate, up = FusedLoRAPair.apply(x, first, second, first.lora_A, first.lora_B, second.lora_A, second.lora_B, p,
+                                   seed, salt, salt2)
+    loss(gate, up).backward()
+    paired = (gate.detach(), up.detach(), *grads())
+    gate, up = (FusedLoRA.apply(x, layer.lora_A, layer.lora_B, layer.linear, layer.scaling, p, lora_parts(layer), seed,
+                                layer_salt) for layer, layer_salt in ((first, salt), (second, salt2)))
+    loss(gate, up).backward()
+    alone = (gate.detach(), up.detach(), *grads())
+    for got, wanted in zip(paired, alone):
+        torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_forward_runs_fc_1_and_fc_2_as_one_fused_lora_pair(tiny_recipe, monkeypatch):
+    """mlp_forward runs a LoRA fc_1 and fc_2 that would each run as FusedLoRA as one FusedLoRAPair, with the
+    forward pass's shared seed and each layer's own salt: the same output and gradients as the two layers run
+    apart. The CPU stands in for CUDA: kernels.available says yes (the interpreter runs the kernels) and FusedLoRA
+    is taken to apply in fp32."""
+    from litft import kernels, model
+
+    gpt = _lora_gpt(tiny_recipe, ["mlp"], dropout=0.25)
+    use_fast_layers(gpt, grad_into_weights=True, triton_kernels=True)
+    mlp = gpt.transformer.h[0].mlp
+    monkeypatch.setattr(kernels, "available", lambda x: True)
+    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
+    pairs = []
+    real_apply = model.FusedLoRAPair.apply
+    monkeypatch.setattr(model.FusedLoRAPair, "apply", lambda *args: pairs.append(args) or real_apply(*args))
+    gpt.lora_seeds.tensor = torch.tensor([2**35 + 17])
+    x = torch.randn(1, 10, mlp.fc_1.linear.in_features, requires_grad=True)
+
+    def run():
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+        out = mlp(x)
+        out.square().sum().backward()
+        return out.detach(), x.grad, *(p.grad for p in mlp.parameters() if p.requires_grad)
+
+    paired = run()
+    assert len(pairs) == 1 and pairs[0][-2:] == (mlp.fc_1.lora_salt, mlp.fc_2.lora_salt)
+    monkeypatch.setattr(model, "_fused_lora_pair_applies", lambda first, second, rows: False)
+    alone = run()
+    assert len(pairs) == 1
+    for got, wanted in zip(paired, alone, strict=True):
+        torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_lora_after_swiglu_keeps_its_inputs_not_the_product():
     """The MLP's proj as FusedLoRA told SwiGLU's inputs (mlp_forward's swiglu_inputs): it keeps fc_1's and fc_2's
     outputs (which SwiGLU keeps anyway), not silu(gate) * up, and its backward kernel rebuilds that product: the same

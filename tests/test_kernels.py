@@ -445,6 +445,31 @@ def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
         torch.testing.assert_close(grad_a.double(), grad_after_a.double().t() @ dropped, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.gpu
+def test_lora_down_pair_in_bf16_on_cuda_is_two_calls_at_training_sizes():
+    """The pair launch (LLaMA's fc_1 and fc_2: 4,096 rows, K 2,048, r 32, bf16, compiled for the GPU) gives what two
+    single calls give: the same A outputs side by side, the same adapter gradients, and their input-gradient
+    shares added into the frozen one, within bf16 rounding."""
+    torch.manual_seed(0)
+    rows, k, r, p = 4096, 2048, 32, 0.05
+    seed, salt, salt2 = torch.tensor([97531], device="cuda"), 11, 12
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    a, a2 = ((torch.randn(r, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(2))
+    both = kernels.lora_down(x, a, p, seed, salt, a2=a2, salt2=salt2)
+    _bf16_close(both, torch.cat([kernels.lora_down(x, a, p, seed, salt), kernels.lora_down(x, a2, p, seed, salt2)], 1))
+    grad_after_a = torch.randn(rows, 2 * r, device="cuda", dtype=torch.bfloat16)
+    frozen = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    grad_a, grad_a2 = torch.zeros_like(a), torch.zeros_like(a2)
+    grad_x, _ = kernels.lora_down_backward(x, a, grad_after_a, p, seed, frozen.clone(), grad_a=grad_a, salt=salt,
+                                           a2=a2, salt2=salt2, grad_a2=grad_a2)
+    first, expected_a = kernels.lora_down_backward(x, a, grad_after_a[:, :r].contiguous(), p, seed, None, salt=salt)
+    second, expected_a2 = kernels.lora_down_backward(x, a2, grad_after_a[:, r:].contiguous(), p, seed, None,
+                                                     salt=salt2)
+    _bf16_close(grad_x, frozen.double() + first.double() + second.double())
+    torch.testing.assert_close(grad_a.float(), expected_a.float(), rtol=1e-2, atol=1e-2)  # grad_a: bf16 sums
+    torch.testing.assert_close(grad_a2.float(), expected_a2.float(), rtol=1e-2, atol=1e-2)
+
+
 _COMPILE_FOR_SM90 = r"""
 import sys
 import triton
