@@ -493,6 +493,17 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-4352", "tiny-llama-qlora", GPU + steps(60) + ["--data.pack_capacity", "4352"]),
         ("qlora-4608", "tiny-llama-qlora", GPU + steps(60) + ["--data.pack_capacity", "4608"]),
     ],
+    # Issue 5, session 16: model.FusedLoRAPair (fc_1 and fc_2's A sides in one kernel each way, the second frozen
+    # input gradient added by its matmul) against the code before it (cb7daf1, carried as out/prev), the recipes as
+    # shipped (micro batch 8), 60 steps, LoRA twice each.
+    "s16b-tiny": [
+        ("lora-before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(60)),
+        ("lora-before-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("lora-again", "tiny-llama-lora", GPU + steps(60)),
+        ("qlora-before", "tiny-llama-qlora", GPU + steps(60), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(60)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
