@@ -126,11 +126,12 @@ class DataConfig:
     28,570 real tok/s, QLoRA 21,697 -> 23,273, full 32,046 -> 32,444, same losses."""
 
     pack_capacity: Optional[int] = None
-    """Positions per micro-batch under data.pack_steps (null: micro_batch_size x max_seq_length). Peak activation
-    memory grows with it (TinyLlama LoRA: ~1.1 MiB per position). A step whose samples overflow it takes one more,
-    short micro-batch, which costs nearly a whole pass of fixed kernel time: 16 Alpaca-like samples (mean 245 tokens)
-    overflow 4,096 positions in 32% of steps, 4,608 in 7% (benchmarks/README.md, session 16). Must be at least
-    data.max_seq_length; needs data.packing and data.pack_steps."""
+    """Positions per micro-batch under data.pack_steps (null: micro_batch_size x max_seq_length): sets peak activation
+    memory (TinyLlama LoRA: ~1.1 MiB per position) apart from the sample count. A step whose samples overflow it
+    takes one more, short micro-batch: 16 Alpaca-like samples (mean 245 tokens) overflow 4,096 positions in 32% of
+    steps, 4,608 in 7%. On the H100 the extra passes cost little: TinyLlama LoRA at 4,608 took a 1.5% shorter median
+    step than at 4,096 and 1.0 GiB more reserved memory (benchmarks/results/s16-tiny), so the recipes leave it
+    null. Must be at least data.max_seq_length; needs data.packing and data.pack_steps."""
 
     num_workers: int = 2
     """DataLoader worker processes (0 = load in the training process)."""
