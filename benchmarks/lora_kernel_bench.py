@@ -10,7 +10,8 @@ of repeated runs, ms; it clears the L2 cache before each run, so these are cold-
 
 Per layer and micro-batch of M positions, the A side's shapes: q, k, v (K = 2,048, R = 3 x 32), attention's proj,
 fc_1, fc_2 and the output layer (K = 2,048, R = 32), the MLP's proj (K = 5,632, R = 32); a TinyLlama micro-batch
-runs 22, 67 and 22 of them. The table's last column weighs each shape by that count.
+runs 22, 67 and 22 of them. The table's last column weighs each shape by that count. Last, fc_1 and fc_2's A sides
+as model.FusedLoRAPair runs them (one launch each way over their shared input) against two launches and an add.
 """
 
 from __future__ import annotations
@@ -103,6 +104,31 @@ def main() -> int:
     lines += ["", "The bandwidth floor at 3.35 TB/s (ms): forward reads x; backward reads x and grad_in, writes grad_x",
               "",
               "| M | shape (K, R) | forward | backward |", "|---|---|---|---|"] + floor_lines
+    # model.FusedLoRAPair's launches (fc_1 and fc_2 over one input: K 2,048, R 32 each) against FusedLoRA's two,
+    # the default launches; backward: two kernels, each adding into its own copy of the frozen input gradient, and
+    # the add of the two that autograd runs, against one kernel adding both shares
+    lines += ["", "fc_1 and fc_2 together (model.FusedLoRAPair) or apart (two FusedLoRA and autograd's add), ms:", "",
+              "| M | forward: apart | forward: pair | backward: apart | backward: pair |", "|---|---|---|---|---|"]
+    for rows in args.rows:
+        x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+        a, a2 = ((torch.randn(32, 2048, device="cuda") / 2048**0.5).to(torch.bfloat16) for _ in range(2))
+        grad_a, grad_a2 = torch.zeros_like(a), torch.zeros_like(a2)
+        g = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
+        g1, g2 = g[:, :32].contiguous(), g[:, 32:].contiguous()
+        grad_in, grad_in2 = (torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def apart_backward():
+            first, _ = kernels.lora_down_backward(x, a, g1, P, seed, grad_in, grad_a=grad_a, salt=1)
+            second, _ = kernels.lora_down_backward(x, a2, g2, P, seed, grad_in2, grad_a=grad_a2, salt=2)
+            return first + second
+
+        timings = [do_bench(fn, warmup=10, rep=50) for fn in (
+            lambda: (kernels.lora_down(x, a, P, seed, 1), kernels.lora_down(x, a2, P, seed, 2)),
+            lambda: kernels.lora_down(x, a, P, seed, 1, a2=a2, salt2=2),
+            apart_backward,
+            lambda: kernels.lora_down_backward(x, a, g, P, seed, grad_in, grad_a=grad_a, salt=1, a2=a2, salt2=2,
+                                               grad_a2=grad_a2))]
+        lines.append(f"| {rows} | " + " | ".join(f"{t:.4f}" for t in timings) + " |")
     lines += ["", "Fastest fused variant per shape and direction:", ""]
     lines += [f"- M {rows}, {what}: {label} ({value:.4f} ms)"
               for (rows, what), (value, label, _) in sorted(best.items(), key=lambda item: item[0])]
