@@ -504,6 +504,21 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-before", "tiny-llama-qlora", GPU + steps(60), PREVIOUS),
         ("qlora", "tiny-llama-qlora", GPU + steps(60)),
     ],
+    # Issue 5, session 17: what the adapters cost, place by place, and the step without most of them (the ceiling of
+    # LoRA's MFU with these adapters' kernels). Every run keeps an adapter on q: with the head's alone, nothing
+    # below the head would need a gradient and autograd would skip the blocks' backward pass. The recipe as shipped
+    # otherwise (micro batch 8, r 32, dropout 0.05); MFU counts the same FLOPs in every run (adapters' are ~1.4%).
+    "s17-ceiling": [
+        ("lora", "tiny-llama-lora", GPU + steps(60)),
+        ("q-head", "tiny-llama-lora", GPU + steps(60) + ["--lora.targets", "[q,head]"]),
+        ("qkv-head", "tiny-llama-lora", GPU + steps(60) + ["--lora.targets", "[q,k,v,head]"]),
+        ("q-o-head", "tiny-llama-lora", GPU + steps(60) + ["--lora.targets", "[q,o,head]"]),
+        ("q-mlp-head", "tiny-llama-lora", GPU + steps(60) + ["--lora.targets", "[q,mlp,head]"]),
+        ("lora-again", "tiny-llama-lora", GPU + steps(60)),
+        ("q-head-profile", "tiny-llama-lora", GPU + steps(30) + ["--lora.targets", "[q,head]",
+                                                                 "--logging.profile", "20-21"]),
+        ("lora-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

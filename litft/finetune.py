@@ -852,6 +852,10 @@ class StepProfiler:
                          f" ({100 * busy_ms / wall_ms:.0f}%), {len(kernels) / steps:.0f} kernels per step")
                 for line in kernel_table(kernels, steps):
                     self.say(line)
+                # every kernel, not only the top rows: what a breakdown by kind (adapters, attention, ...) sums over
+                every_kernel = self.directory.parent / "profile_kernels.txt"
+                every_kernel.write_text("\n".join(kernel_table(kernels, steps, rows=None, width=400)) + "\n")
+                self.say(f"profiler: all kernels in {every_kernel}")
             self._prof = None
             self.say(f"profiler: steps {self.start}-{self.end} written to {self.directory} (tensorboard --logdir"
                      f" {self.directory}, or open the .pt.trace.json in ui.perfetto.dev)")
@@ -859,10 +863,11 @@ class StepProfiler:
             self.dump_snapshot(f"steps 1-{step}")
 
 
-def kernel_table(kernels: list, steps: int, rows: int = 30, width: int = 150) -> list[str]:
+def kernel_table(kernels: list, steps: int, rows: int | None = 30, width: int = 150) -> list[str]:
     """GPU kernels grouped by their full name (the op table above cuts names at 55 characters, which hides what an
     elementwise kernel computes), the most time first: ms per step, calls per step, mean us, share of the device
-    time. Under CUDA graphs this is the only per-kernel view: the op table sees one graph launch."""
+    time; the first ``rows`` kernels, or all with None. Under CUDA graphs this is the only per-kernel view: the op
+    table sees one graph launch."""
     totals: dict[str, list[float]] = {}
     for event in kernels:
         entry = totals.setdefault(event.name, [0.0, 0])

@@ -258,3 +258,5 @@ def test_kernel_table_groups_kernels_by_full_name_most_time_first():
     gemm, add = lines[2].split(), lines[3].split()
     assert gemm[:4] == ["0.20", "1", "200.0", "76.9%"] and gemm[4] == "nvjet_gemm"  # 400 us of 520 over 2 steps
     assert add[:4] == ["0.06", "2", "30.0", "23.1%"] and lines[3].endswith("CUDAFunctor_add<c10::BFloat16>>(int)")
+    assert len(kernel_table(kernels, steps=2, rows=1)) == 3  # heading, column names, the gemm
+    assert len(kernel_table(kernels, steps=2, rows=None)) == 4  # every kernel (profile_kernels.txt)
