@@ -846,7 +846,10 @@ class StepProfiler:
                 self.say(averages.table(sort_by="self_cpu_time_total", row_limit=15))
             steps = self.end - self.start + 1
             if cuda:
-                kernels = [e for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                # GPU user annotations (record_function ranges such as Optimizer.step#AdamW.step) span kernels that
+                # are listed too: counted, they would add the optimizer's time twice to the busy figure
+                kernels = [e for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                           and not getattr(e, "is_user_annotation", False)]
                 busy_ms = sum(e.device_time_total for e in kernels) / 1000  # microseconds -> ms, copies included
                 self.say(f"profiler: {steps} steps, {wall_ms:.1f} ms wall, device busy {busy_ms:.1f} ms"
                          f" ({100 * busy_ms / wall_ms:.0f}%), {len(kernels) / steps:.0f} kernels per step")

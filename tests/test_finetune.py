@@ -348,3 +348,14 @@ def test_clipping_stays_with_fabric_for_optimizers_without_a_fused_step():
     model = torch.nn.Linear(4, 4)
     assert not scales_in_step(fabric, torch.optim.AdamW(model.parameters(), foreach=True))
     assert not scales_in_step(fabric, torch.optim.RMSprop(model.parameters()))
+
+
+def test_profile_window_writes_a_trace_and_the_op_table(tiny_recipe, capsys):
+    """logging.profile on the CPU: a torch profiler trace of the window's steps in out_dir/profile and the op table in
+    the run's log (the per-kernel table and profile_kernels.txt are CUDA's: tests/test_gpu.py)."""
+    result = litft.finetune(tiny_recipe(logging={"profile": "2-3"}))
+    traces = list((result.out_dir / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1 and json.loads(traces[0].read_text())["traceEvents"]
+    log = capsys.readouterr().out
+    assert "Self CPU time total" in log and "profiler: steps 2-3 written to" in log
+    assert not (result.out_dir / "profile_kernels.txt").exists()

@@ -398,3 +398,19 @@ def test_weight_gradients_added_by_the_matmul_train_alike_under_cuda_graphs(tiny
     assert on.result["grad_into_weights"] and on.result["cuda_graphs"]["on"] and on.result["cuda_graphs"]["replays"] > 0
     assert not off.result["grad_into_weights"]
     assert step_losses(on) == pytest.approx(step_losses(off), rel=2e-2)  # bf16: the sum rounded once instead of twice
+
+
+def test_profile_lists_every_kernel_and_no_annotation_ranges(tiny_recipe, tmp_path, capsys):
+    """logging.profile on CUDA: out_dir/profile_kernels.txt lists every kernel of the window (the log keeps the top
+    rows). record_function ranges on the GPU (Optimizer.step#AdamW.step) span kernels that are listed anyway: they
+    are left out, or the optimizer's time would count twice in the busy figure."""
+    run = litft.finetune(_gpu_recipe(tiny_recipe, method="lora", out_dir=str(tmp_path / "run"),
+                                     logging={"profile": "2-3"}))
+    rows = (run.out_dir / "profile_kernels.txt").read_text().splitlines()
+    distinct = int(rows[0].split("(")[1].split()[0])  # "profiler: top kernels by GPU time (N distinct), per step:"
+    names = [row.split(None, 4)[4] for row in rows[2:]]
+    assert len(names) == distinct > 0
+    assert not any("#" in name for name in names), names
+    assert any(name.startswith("_lora_down") for name in names)  # the Triton LoRA kernels, by their names
+    log = capsys.readouterr().out
+    assert "device busy" in log and f"profiler: all kernels in {run.out_dir / 'profile_kernels.txt'}" in log
