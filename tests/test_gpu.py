@@ -410,7 +410,8 @@ def test_profile_lists_every_kernel_and_no_annotation_ranges(tiny_recipe, tmp_pa
     distinct = int(rows[0].split("(")[1].split()[0])  # "profiler: top kernels by GPU time (N distinct), per step:"
     names = [row.split(None, 4)[4] for row in rows[2:]]
     assert len(names) == distinct > 0
-    assert not any("#" in name for name in names), names
+    # kernel names hold '#' too ({lambda()#1}); the optimizer's range is flagged a user annotation on torch 2.11
+    assert not [name for name in names if name.startswith("Optimizer.")]
     assert any(name.startswith("_lora_down") for name in names)  # the Triton LoRA kernels, by their names
     log = capsys.readouterr().out
     assert "device busy" in log and f"profiler: all kernels in {run.out_dir / 'profile_kernels.txt'}" in log
