@@ -4,7 +4,8 @@
 #   steps: env | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps) |
 #          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward) |
-#          lora-kernels (benchmarks/lora_kernel_bench.py: LoRA's A side, fused kernels against the torch ops)
+#          lora-kernels (benchmarks/lora_kernel_bench.py: LoRA's A side, fused kernels against the torch ops) |
+#          lora-mlp (benchmarks/lora_mlp_bench.py: the LoRA MLP's middle, FusedLoRAMLP's kernels against the layers apart)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles,graph_breaks
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
@@ -38,6 +39,8 @@ for step in "$@"; do
             tail -40 "$OUT/vs7b-${step#vs7b:}.log" ;;
     lora-kernels) timeout "$left" python3 benchmarks/lora_kernel_bench.py --out "$OUT/lora-kernels.md" > "$OUT/lora-kernels.log" 2>&1 || status=1
                   tail -12 "$OUT/lora-kernels.log" ;;
+    lora-mlp) timeout "$left" python3 benchmarks/lora_mlp_bench.py --out "$OUT/lora-mlp.md" > "$OUT/lora-mlp.log" 2>&1 || status=1
+              tail -12 "$OUT/lora-mlp.log" ;;
     attention) timeout "$left" python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1 || status=1
                tail -20 "$OUT/attention.log" ;;
     *) echo "unknown step $step"; status=1 ;;
@@ -49,5 +52,5 @@ done
 # which would push the tracked tree plus the carried wheels over the device tool's 64 MiB once committed)
 tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' --exclude='*.pickle' \
   --exclude='*/final/tokenizer.json' --exclude='profile' . 2>/dev/null
-cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/attention.md "$OUT"/lora-kernels.md "$OUT"/vs-litgpt/*.md "$OUT"/vs-litgpt-7b/*.md > "$RESULTS/summary.md" 2>/dev/null
+cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/attention.md "$OUT"/lora-kernels.md "$OUT"/lora-mlp.md "$OUT"/vs-litgpt/*.md "$OUT"/vs-litgpt-7b/*.md > "$RESULTS/summary.md" 2>/dev/null
 exit $status

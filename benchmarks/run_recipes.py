@@ -520,6 +520,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
                                                                  "--logging.profile", "20-21"]),
         ("lora-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
+    # Issue 5, session 18: model.FusedLoRAMLP (fc_1's and fc_2's B adds, the SwiGLU and proj's A side in one Triton
+    # kernel each way) against the code before it (d068a27, carried as out/prev), the recipes as shipped, 60 steps,
+    # LoRA twice each way and QLoRA once; then a profile of the new LoRA step.
+    "s18-mlp": [
+        ("lora-before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(60)),
+        ("lora-before-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("lora-again", "tiny-llama-lora", GPU + steps(60)),
+        ("qlora-before", "tiny-llama-qlora", GPU + steps(60), PREVIOUS),
+        ("qlora", "tiny-llama-qlora", GPU + steps(60)),
+        ("lora-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -493,10 +493,16 @@ class SwiGLU(torch.autograd.Function):
 
 def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LLaMAMLP.forward with SwiGLU's silu recomputed in the backward pass (train.lean_swiglu), in Triton kernels on
-    CUDA with train.triton_kernels. LoRA fc_1 and fc_2 that would each run as FusedLoRA run as one FusedLoRAPair.
-    A LoRA proj (lora_linear_forward) is also told SwiGLU's inputs when the kernel made its input: as FusedLoRA it
-    keeps those, not its input."""
+    CUDA with train.triton_kernels. A LoRA MLP whose three layers would each run as FusedLoRA runs as one
+    FusedLoRAMLP (the adapters inside the SwiGLU's kernels). Otherwise LoRA fc_1 and fc_2 that would each run as
+    FusedLoRA run as one FusedLoRAPair, and a LoRA proj (lora_linear_forward) is told SwiGLU's inputs when the
+    kernel made its input: as FusedLoRA it keeps those, not its input."""
     rows = x.reshape(-1, x.shape[-1])
+    if _fused_lora_mlp_applies(self, rows):
+        salts = (self.fc_1.lora_salt, self.fc_2.lora_salt, self.proj.lora_salt)
+        out = FusedLoRAMLP.apply(rows, self, *lora_mlp_adapters(self), _dropout_p(self.fc_1),
+                                 self.fc_1.lora_seeds.tensor, salts)
+        return out.view(*x.shape[:-1], -1)
     if _fused_lora_pair_applies(self.fc_1, self.fc_2, rows):
         seed, salt, salt2 = _lora_pair_seed(self.fc_1, self.fc_2, rows.device)
         gate, up = FusedLoRAPair.apply(rows, self.fc_1, self.fc_2, self.fc_1.lora_A, self.fc_1.lora_B,
@@ -820,6 +826,80 @@ class FusedLoRAPair(torch.autograd.Function):
         grad_x, _ = kernels.lora_down_backward(x, lora_a, grad_after_a, ctx.p, seed, frozen, input_grad=input_grad,
                                                grad_a=lora_a.grad, salt=ctx.salt, a2=lora_a2, salt2=ctx.salt2,
                                                grad_a2=lora_a2.grad)
+        return grad_x, None, None, None, None, None, None, None, None, None, None
+
+
+def lora_mlp_adapters(mlp: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """A LoRA LLaMAMLP's six adapter matrices in FusedLoRAMLP's order: fc_1's A and B, fc_2's, proj's."""
+    return (mlp.fc_1.lora_A, mlp.fc_1.lora_B, mlp.fc_2.lora_A, mlp.fc_2.lora_B, mlp.proj.lora_A, mlp.proj.lora_B)
+
+
+def _fused_lora_mlp_applies(mlp: torch.nn.Module, rows: torch.Tensor) -> bool:
+    """FusedLoRAMLP runs for a LLaMAMLP whose fc_1 and fc_2 run as FusedLoRAPair (:func:`_fused_lora_pair_applies`)
+    and whose proj would run as FusedLoRA with their rank and dropout probability, the three drawing their masks from
+    the forward pass's shared seed (LoRASeeds, drawn by CausalLM)."""
+    proj = mlp.proj
+    seeds = getattr(mlp.fc_1, "lora_seeds", None)
+    shared = (seeds is not None and seeds.tensor is not None and seeds.tensor.device == rows.device
+              and all(getattr(layer, "lora_seeds", None) is seeds for layer in (mlp.fc_2, proj)))
+    return (shared and _fused_lora_pair_applies(mlp.fc_1, mlp.fc_2, rows) and _takes_swiglu_inputs(proj) and proj.r > 0
+            and not proj.merged and _fused_lora_applies(proj, rows) and proj.lora_A.shape[0] == mlp.fc_1.lora_A.shape[0]
+            and proj.lora_A.dtype == mlp.fc_1.lora_A.dtype and _dropout_p(proj) == _dropout_p(mlp.fc_1))
+
+
+class FusedLoRAMLP(torch.autograd.Function):
+    """A LLaMA MLP with LoRA on fc_1, fc_2 and proj, proj(silu(fc_1(x)) * fc_2(x)), from the same frozen matmuls
+    and A-side kernels as FusedLoRAPair and FusedLoRA, with everything between them in one Triton kernel each way
+    (kernels.swiglu_lora_forward / swiglu_lora_backward): fc_1's and fc_2's B adds, the SwiGLU, and proj's A side
+    forward; backward proj's adapter share of its input gradient, SwiGLU's gradients, proj's A gradient and fc_1's
+    and fc_2's B gradients. What it saves against FusedLoRAPair + SwiGLU + FusedLoRA is in kernels.py (50,688 bf16
+    elements of traffic per token and block for TinyLlama). The outputs and gradients are theirs, each dropout
+    mask drawn from the same seed and salt, up to rounding: gate and up reach the SwiGLU rounded to 16 bits as
+    before, and the SwiGLU's output gradient, which their kernels rounded, stays in fp32 inside the kernel.
+
+    Keeps x, the frozen gate and up (rows x intermediate each, as SwiGLU kept the adapted ones), the r-wide A outputs
+    and the seed: what the three layers kept. For one device and -true precision, as FusedLoRA."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mlp: torch.nn.Module, lora_a1: torch.Tensor, lora_b1: torch.Tensor,
+                lora_a2: torch.Tensor, lora_b2: torch.Tensor, lora_a3: torch.Tensor, lora_b3: torch.Tensor,
+                p: float, seed: torch.Tensor, salts: tuple[int, int, int]) -> torch.Tensor:
+        fc_1, fc_2, proj = mlp.fc_1, mlp.fc_2, mlp.proj
+        gate, up = fc_1.linear(x), fc_2.linear(x)  # frozen: their B adds happen in the SwiGLU kernel
+        after_a = kernels.lora_down(x, lora_a1, p, seed, salts[0], a2=lora_a2, salt2=salts[1])  # (tokens, 2 r)
+        out, after_proj_a = kernels.swiglu_lora_forward(gate, up, after_a, lora_b1, lora_b2, fc_1.scaling,
+                                                        fc_2.scaling, lora_a3, p, seed, salts[2])
+        y = proj.linear(out)
+        add_low_rank_parts_(y, after_proj_a, lora_b3, proj.scaling, lora_parts(proj))
+        ctx.save_for_backward(x, gate, up, after_a, after_proj_a, seed)
+        ctx.mlp, ctx.p, ctx.salts = mlp, p, salts
+        ctx.adapters = (lora_a1, lora_b1, lora_a2, lora_b2, lora_a3, lora_b3)  # parameters: reach their .grad
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, gate, up, after_a, after_proj_a, seed = ctx.saved_tensors
+        fc_1, fc_2, proj = ctx.mlp.fc_1, ctx.mlp.fc_2, ctx.mlp.proj
+        adapters = ctx.adapters
+        for matrix in adapters:
+            if matrix.grad is None:
+                matrix.grad = torch.zeros_like(matrix)
+        lora_a1, lora_b1, lora_a2, lora_b2, lora_a3, lora_b3 = adapters
+        grad = grad.contiguous()
+        grad_after_proj_a = _low_rank_b_backward(grad, after_proj_a, lora_b3, proj.scaling, lora_parts(proj))
+        grad_gate, grad_up = kernels.swiglu_lora_backward(
+            _frozen_input_grad(proj.linear, grad), gate, up, after_a, lora_b1, lora_b2, fc_1.scaling, fc_2.scaling,
+            lora_a3, grad_after_proj_a, ctx.p, seed, ctx.salts[2], lora_a3.grad, lora_b1.grad, lora_b2.grad)
+        r = lora_a1.shape[0]
+        grad_after_a = torch.empty_like(after_a)  # fc_1's and fc_2's: s grad B, B's own gradients already added
+        grad_after_a[:, :r].addmm_(grad_gate, lora_b1.to(grad_gate.dtype), beta=0, alpha=fc_1.scaling)
+        grad_after_a[:, r:].addmm_(grad_up, lora_b2.to(grad_up.dtype), beta=0, alpha=fc_2.scaling)
+        input_grad = ctx.needs_input_grad[0]
+        frozen = (_frozen_input_grad(fc_2.linear, grad_up, into=_frozen_input_grad(fc_1.linear, grad_gate))
+                  if input_grad else None)
+        grad_x, _ = kernels.lora_down_backward(x, lora_a1, grad_after_a, ctx.p, seed, frozen, input_grad=input_grad,
+                                               grad_a=lora_a1.grad, salt=ctx.salts[0], a2=lora_a2,
+                                               salt2=ctx.salts[1], grad_a2=lora_a2.grad)
         return grad_x, None, None, None, None, None, None, None, None, None, None
 
 

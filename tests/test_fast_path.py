@@ -305,7 +305,8 @@ def test_mlp_forward_runs_fc_1_and_fc_2_as_one_fused_lora_pair(tiny_recipe, monk
     """mlp_forward runs a LoRA fc_1 and fc_2 that would each run as FusedLoRA as one FusedLoRAPair, with the
     forward pass's shared seed and each layer's own salt: the same output and gradients as the two layers run
     apart. The CPU stands in for CUDA: kernels.available says yes (the interpreter runs the kernels) and FusedLoRA
-    is taken to apply in fp32."""
+    is taken to apply in fp32. (With proj adapted too the whole MLP runs as FusedLoRAMLP, the next test; here it is
+    taken not to apply.)"""
     from litft import kernels, model
 
     gpt = _lora_gpt(tiny_recipe, ["mlp"], dropout=0.25)
@@ -313,6 +314,7 @@ def test_mlp_forward_runs_fc_1_and_fc_2_as_one_fused_lora_pair(tiny_recipe, monk
     mlp = gpt.transformer.h[0].mlp
     monkeypatch.setattr(kernels, "available", lambda x: True)
     monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
+    monkeypatch.setattr(model, "_fused_lora_mlp_applies", lambda mlp, rows: False)
     pairs = []
     real_apply = model.FusedLoRAPair.apply
     monkeypatch.setattr(model.FusedLoRAPair, "apply", lambda *args: pairs.append(args) or real_apply(*args))
@@ -333,6 +335,57 @@ def test_mlp_forward_runs_fc_1_and_fc_2_as_one_fused_lora_pair(tiny_recipe, monk
     assert len(pairs) == 1
     for got, wanted in zip(paired, alone, strict=True):
         torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypatch):
+    """mlp_forward runs a LoRA MLP whose fc_1, fc_2 and proj would each run as FusedLoRA as one FusedLoRAMLP (the
+    adapters inside the SwiGLU kernels), each layer's mask from the forward pass's shared seed and its own salt: the
+    output, x's gradient and all six adapter gradients of FusedLoRAPair + SwiGLU + FusedLoRA (the path it replaces),
+    over two micro-batches (gradients added into .grad). It keeps what that path keeps. Without a shared seed (a
+    layer called outside CausalLM's forward) the MLP runs that path. fp32, Triton's interpreter standing in for
+    CUDA as in the test above."""
+    from litft import kernels, model
+
+    gpt = _lora_gpt(tiny_recipe, ["mlp"], dropout=0.25)
+    use_fast_layers(gpt, grad_into_weights=True, triton_kernels=True)
+    mlp = gpt.transformer.h[0].mlp
+    monkeypatch.setattr(kernels, "available", lambda x: True)
+    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
+    calls = []
+    real_apply = model.FusedLoRAMLP.apply
+    monkeypatch.setattr(model.FusedLoRAMLP, "apply", lambda *args: calls.append(args) or real_apply(*args))
+    gpt.lora_seeds.tensor = torch.tensor([2**37 + 5])
+    torch.manual_seed(1)
+    xs = [torch.randn(1, 10, mlp.fc_1.linear.in_features, requires_grad=True) for _ in range(2)]
+    weights = torch.linspace(-1, 1, mlp.proj.linear.out_features)
+
+    def run():
+        mlp.zero_grad(set_to_none=True)
+        kept, outs, x_grads = 0, [], []
+        for x in xs:
+            x.grad = None
+            saved = {}  # the tensors this forward pass keeps for its backward pass, each once (by address)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.setdefault(t.data_ptr(), t.numel()), t)[1],
+                                                          lambda t: t):
+                out = mlp(x)
+            kept += sum(saved.values())
+            (out * weights).square().sum().backward()
+            outs.append(out.detach())
+            x_grads.append(x.grad)
+        return (*outs, *x_grads, *(p.grad for p in mlp.parameters() if p.requires_grad)), kept
+
+    fused, fused_saved = run()
+    assert len(calls) == 2 and calls[0][-1] == (mlp.fc_1.lora_salt, mlp.fc_2.lora_salt, mlp.proj.lora_salt)
+    monkeypatch.setattr(model, "_fused_lora_mlp_applies", lambda mlp, rows: False)
+    apart, apart_saved = run()
+    assert len(calls) == 2 and fused_saved == apart_saved
+    for got, wanted in zip(fused, apart, strict=True):
+        torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "available", lambda x: True)
+    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
+    gpt.lora_seeds.tensor = None
+    assert not model._fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
 
 
 def test_fused_lora_after_swiglu_keeps_its_inputs_not_the_product():

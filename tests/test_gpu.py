@@ -144,6 +144,29 @@ def test_triton_kernels_and_torch_ops_train_alike_on_cuda(tiny_recipe, tmp_path,
     assert runs[0].val_loss == pytest.approx(runs[1].val_loss, rel=2e-2)
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_fused_lora_mlp_and_the_layers_apart_train_alike_under_cuda_graphs(tiny_recipe, tmp_path, monkeypatch,
+                                                                          method):
+    """model.FusedLoRAMLP (the MLP's adapters inside the SwiGLU kernels) and the path it replaces (FusedLoRAPair,
+    SwiGLU, FusedLoRA) give the same losses within bf16 rounding, with dropout (one mask per layer from the shared
+    seed) and as CUDA graphs; and the fused one ran."""
+    from litft import model
+
+    common = dict(method=method, lora={"r": 8, "alpha": 16, "dropout": 0.05, "targets": ["q", "k", "v", "o", "mlp"]},
+                  eval={"initial": False, "final": True, "interval": 0}, seed=3)
+    if method == "qlora":
+        common["quantize"] = "nf4"
+    calls = []
+    real_apply = model.FusedLoRAMLP.apply
+    monkeypatch.setattr(model.FusedLoRAMLP, "apply", lambda *args: calls.append(1) or real_apply(*args))
+    fused = litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / "fused")))
+    assert calls and fused.result["cuda_graphs"]["on"] and fused.result["cuda_graphs"]["replays"] > 0
+    monkeypatch.setattr(model, "_fused_lora_mlp_applies", lambda mlp, rows: False)
+    apart = litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / "apart")))
+    assert step_losses(fused) == pytest.approx(step_losses(apart), rel=2e-2)
+    assert fused.val_loss == pytest.approx(apart.val_loss, rel=2e-2)
+
+
 @pytest.mark.parametrize("graphs", ["never", "auto"])
 def test_lean_mixed_linear_trains_alike_on_cuda_and_keeps_less(tiny_recipe, tmp_path, graphs):
     """train.lean_mixed_linear on and off under bf16-mixed (plainly and as CUDA graphs): the same losses within

@@ -420,6 +420,56 @@ def test_lora_down_pair_is_two_adapters_with_their_own_masks_from_one_read(devic
     torch.testing.assert_close(grad_a2, earlier2 + expected_a2, rtol=1e-5, atol=1e-5)
 
 
+def _lora_mlp_middle(gate, up, after_a, b1, b2, s1, s2, a, mask, scale):
+    """The reference for kernels.swiglu_lora_forward: what FusedLoRAPair's B adds, SwiGLU and FusedLoRA's A side
+    compute between the MLP's frozen matmuls, as torch ops (mask: proj's dropout mask, scale: 1 / keep rate)."""
+    r = a.shape[0]
+    gate = gate + s1 * after_a[:, :r] @ b1.t()
+    up = up + s2 * after_a[:, r:] @ b2.t()
+    out = torch.nn.functional.silu(gate) * up
+    return out, (out * mask * scale) @ a.t()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device, splits):
+    """kernels.swiglu_lora_forward is fc_1's and fc_2's B adds, SwiGLU and proj's dropout(out) @ A^T (proj's mask
+    that of lora_down with the same seed and salt), and swiglu_lora_backward gives autograd's gradients of the same
+    function: with respect to the adapted gate and up, proj's A (added into its .grad) and fc_1's and fc_2's B (added
+    into theirs). 70 rows (3 row tiles of 32, one partly filled; several row splits), 80 intermediate columns (a
+    column tile of 64 and a partly masked one; forward, one or two column splits), r 12 (R padded to 16); fp32 against
+    float64 references."""
+    torch.manual_seed(0)
+    rows, k, r, p, salt = 70, 80, 12, 0.25, 7
+    seed = torch.tensor([1357911], device=device)
+    mask = _lora_mask(rows, k, p, seed + salt, device).double()  # the kernels draw with seed + salt
+    scale = 1 / (1 - p)
+    s1, s2 = 0.5, 2.0
+    gate, up = torch.randn(rows, k, device=device), torch.randn(rows, k, device=device)
+    after_a = torch.randn(rows, 2 * r, device=device)
+    b1, b2 = torch.randn(k, r, device=device) / 3, torch.randn(k, r, device=device) / 3
+    a = torch.randn(r, k, device=device) / 3
+    out, after_proj_a = kernels.swiglu_lora_forward(gate, up, after_a, b1, b2, s1, s2, a, p, seed, salt,
+                                                    splits=splits, block_k=64)
+    leaves = [t.double().requires_grad_() for t in (gate, up, b1, b2, a)]
+    expected_out, expected_after = _lora_mlp_middle(leaves[0], leaves[1], after_a.double(), leaves[2], leaves[3],
+                                                    s1, s2, leaves[4], mask, scale)
+    torch.testing.assert_close(out.double(), expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after_proj_a.double(), expected_after, rtol=1e-5, atol=1e-4)
+
+    grad, grad_after_proj_a = torch.randn(rows, k, device=device), torch.randn(rows, r, device=device)
+    expected = torch.autograd.grad((expected_out * grad.double()).sum()
+                                   + (expected_after * grad_after_proj_a.double()).sum(), leaves)
+    earlier = [torch.randn(r, k, device=device), torch.randn(k, r, device=device), torch.randn(k, r, device=device)]
+    grad_a, grad_b1, grad_b2 = (t.clone() for t in earlier)  # .grad from earlier micro-batches: added into
+    grad_gate, grad_up = kernels.swiglu_lora_backward(grad, gate, up, after_a, b1, b2, s1, s2, a, grad_after_proj_a,
+                                                      p, seed, salt, grad_a, grad_b1, grad_b2, block_k=64)
+    torch.testing.assert_close(grad_gate.double(), expected[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_up.double(), expected[1], rtol=1e-5, atol=1e-4)
+    for got, before, wanted in zip((grad_b1, grad_b2, grad_a), (earlier[1], earlier[2], earlier[0]), expected[2:]):
+        torch.testing.assert_close(got.double(), before.double() + wanted, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.gpu
 def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
     """At a TinyLlama layer's sizes (4,096 rows, K = 2,048 and 5,632, r x 3 = 96 for q, k, v) in bf16: the kernels
@@ -443,6 +493,40 @@ def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
         _bf16_close(grad_x, expected)
         # bf16 products are exact in fp32; the fp32 sums of 4,096 of them differ from float64's by rounding only
         torch.testing.assert_close(grad_a.double(), grad_after_a.double().t() @ dropped, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_swiglu_lora_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
+    """The LoRA MLP's middle kernels at TinyLlama's sizes (4,096 rows, 5,632 intermediate, r 32, p 0.05), compiled
+    for the GPU, against float64 torch over the same mask: outputs and the gate/up gradients within bf16 rounding, the
+    adapter gradients (fp32 sums of 4,096 rows, one rounding) within 1%."""
+    torch.manual_seed(0)
+    rows, k, r, p, salt = 4096, 5632, 32, 0.05, 21
+    seed = torch.tensor([8642], device="cuda")
+    mask = _lora_mask(rows, k, p, seed + salt, "cuda").double()
+    scale = kernels._lora_p16(p)[1]
+
+    def bf16(*shape, std=1.0):
+        return (torch.randn(*shape, device="cuda") * std).to(torch.bfloat16)
+
+    gate, up, after_a = bf16(rows, k), bf16(rows, k), bf16(rows, 2 * r)
+    b1, b2, a = bf16(k, r, std=0.05), bf16(k, r, std=0.05), bf16(r, k, std=k**-0.5)
+    out, after_proj_a = kernels.swiglu_lora_forward(gate, up, after_a, b1, b2, 0.5, 0.5, a, p, seed, salt)
+    leaves = [t.double().requires_grad_() for t in (gate, up, b1, b2, a)]
+    expected_out, expected_after = _lora_mlp_middle(leaves[0], leaves[1], after_a.double(), leaves[2], leaves[3],
+                                                    0.5, 0.5, leaves[4], mask, scale)
+    _bf16_close(out, expected_out)
+    _bf16_close(after_proj_a, expected_after)
+    grad, grad_after_proj_a = bf16(rows, k), bf16(rows, r)
+    expected = torch.autograd.grad((expected_out * grad.double()).sum()
+                                   + (expected_after * grad_after_proj_a.double()).sum(), leaves)
+    grad_a, grad_b1, grad_b2 = torch.zeros_like(a), torch.zeros_like(b1), torch.zeros_like(b2)
+    grad_gate, grad_up = kernels.swiglu_lora_backward(grad, gate, up, after_a, b1, b2, 0.5, 0.5, a, grad_after_proj_a,
+                                                      p, seed, salt, grad_a, grad_b1, grad_b2)
+    _bf16_close(grad_gate, expected[0])
+    _bf16_close(grad_up, expected[1])
+    for got, wanted in zip((grad_b1, grad_b2, grad_a), expected[2:]):
+        torch.testing.assert_close(got.double(), wanted, rtol=1e-2, atol=1e-2 * wanted.abs().max().item())
 
 
 @pytest.mark.gpu
@@ -520,6 +604,28 @@ for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _l
                           "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x, "PRECISION": "tf32",
                           "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "SWIGLU": swiglu, "PAIR": pair,
                           "num_warps": launch["num_warps"]})
+mlp_forward = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16", "b2_ptr": "*bf16",
+               "a_ptr": "*bf16", "out_ptr": "*bf16", "hp_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32",
+               "scale1": "fp32", "scale2": "fp32", "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32",
+               "stride_hp": "i32", "stride_split": "i32", "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32",
+               "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr",
+               "ROUNDS": "constexpr"}
+mlp_backward = {"grad_ptr": "*bf16", "gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16",
+                "b2_ptr": "*bf16", "a_ptr": "*bf16", "gp_ptr": "*bf16", "grad_gate_ptr": "*bf16", "grad_up_ptr": "*bf16",
+                "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "scale1": "fp32", "scale2": "fp32",
+                "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32", "stride_gp": "i32", "rows_per_split": "i32",
+                "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+                "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr"}
+for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one split)
+    launch = kernels._swiglu_lora_forward_launch(k)
+    for hp in ("*bf16", "*fp32"):
+        compile_for_sm90(kernels._swiglu_lora_forward_kernel, dict(mlp_forward, hp_ptr=hp),
+                         {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32, "PRECISION": "tf32",
+                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
+    launch = kernels._swiglu_lora_backward_launch(k)
+    compile_for_sm90(kernels._swiglu_lora_backward_kernel, mlp_backward,
+                     {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32, "PRECISION": "tf32",
+                      "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
 for accumulate in (True, False):
     compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
                                                      "splits": "i32", "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
