@@ -89,22 +89,35 @@ def main() -> int:
         lines.append(f"| {rows} | after, default launches | {default_f:.4f} | {default_b:.4f} |"
                      f" {default_f + default_b:.4f} |")
         best_f, best_b = (default_f, "default"), (default_b, "default")
-        for block_m, block_k, warps, splits in itertools.product((16, 32), (64, 128), (4, 8), (1, 2, 4)):
-            label = f"forward BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps, {splits} splits"
+        forward_launches = [dict(block_m=16, block_k=k_, num_warps=w, splits=s_)
+                            for k_, w, s_ in itertools.product((32, 64), (2, 4), (2, 4))]
+        forward_launches += [dict(block_m=16, block_k=64, num_warps=4, splits=2, num_stages=n) for n in (1, 2, 4)]
+        for launch in forward_launches:
+            block_m, block_k, warps, splits = launch["block_m"], launch["block_k"], launch["num_warps"], launch["splits"]
+            label = f"forward BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps, {splits} splits" + (
+                f", {launch['num_stages']} stages" if "num_stages" in launch else "")
             try:
-                ms = do_bench(lambda: kernels.swiglu_lora_forward(
-                    gate0, up0, after_a, b1, b2, 0.5, 0.5, a, P, seed, 3, block_m=block_m, block_k=block_k,
-                    num_warps=warps, splits=splits), warmup=5, rep=30)
+                ms = do_bench(lambda: kernels.swiglu_lora_forward(gate0, up0, after_a, b1, b2, 0.5, 0.5, a, P, seed,
+                                                                  3, **launch), warmup=5, rep=30)
             except Exception as error:  # a launch that does not fit the SM (registers, shared memory)
                 lines.append(f"| {rows} | {label} | failed: {type(error).__name__} | | |")
                 continue
             lines.append(f"| {rows} | {label} | {ms:.4f} | | |")
             best_f = min(best_f, (ms, label))
-        for block_m, block_k, warps, per_sm in itertools.product((32, 64), (64, 128), (4, 8), (1, 2, 4)):
-            label = f"backward BLOCK_M {block_m}, BLOCK_K {block_k}, {warps} warps, {per_sm} programs/SM"
+        # session 18's first sweep (BLOCK_M 32-64, BLOCK_K 64-128, 4-8 warps) found the larger tiles slower, down to
+        # 4x (registers spilled): here smaller tiles, fewer warps, and the B gradients by cuBLAS (b_grads False)
+        backward_launches = [dict(block_m=m_, block_k=k_, num_warps=w, programs_per_sm=s_, b_grads=b)
+                             for b, m_, k_, w, s_ in itertools.product((True, False), (16, 32), (32, 64), (2, 4),
+                                                                       (2, 4))]
+        backward_launches += [dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2, b_grads=b, num_stages=n)
+                              for b, n in itertools.product((True, False), (1, 2, 4))]
+        for launch in backward_launches:
+            label = (f"backward BLOCK_M {launch['block_m']}, BLOCK_K {launch['block_k']}, {launch['num_warps']} warps,"
+                     f" {launch['programs_per_sm']} programs/SM, B gradients by "
+                     + ("the kernel" if launch["b_grads"] else "cuBLAS")
+                     + (f", {launch['num_stages']} stages" if "num_stages" in launch else ""))
             try:
-                ms = do_bench(lambda: after_backward(block_m=block_m, block_k=block_k, num_warps=warps,
-                                                     programs_per_sm=per_sm), warmup=5, rep=30)
+                ms = do_bench(lambda: after_backward(**launch), warmup=5, rep=30)
             except Exception as error:
                 lines.append(f"| {rows} | {label} | | failed: {type(error).__name__} | |")
                 continue

@@ -760,12 +760,13 @@ if triton is not None:
                                      grad_up_ptr, partial_ptr, seed_ptr, salt, scale1, scale2, M, K, R, stride_h,
                                      stride_gp, rows_per_split, p16, inv_keep, BLOCK_M: tl.constexpr,
                                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                                     ROUNDS: tl.constexpr):
+                                     ROUNDS: tl.constexpr, B_GRADS: tl.constexpr):
         # program (column block, row split), over the split's row tiles: gate, up and out rebuilt as the forward
         # kernel made them; grad_out = grad (the frozen proj's input gradient) + dropout'(gp @ a) (gp: the gradient
         # of proj's r-wide A output); gate's and up's gradients written; and, in fp32 over the split's rows, the
         # partial sums of proj's A gradient gp^T dropout(out) (R, K), and of fc_1's and fc_2's B gradients
-        # s grad_gate^T h1 and s grad_up^T h2 (K, R) after it: partial[0] a's, [1] b1's, [2] b2's, per split.
+        # s grad_gate^T h1 and s grad_up^T h2 (K, R) after it: partial[0] a's, [1] b1's, [2] b2's, per split
+        # (without B_GRADS the B gradients are left to the caller: fewer registers per program).
         split = tl.program_id(1)
         seed = tl.load(seed_ptr)
         row_counters = tl.cdiv(K, 64) * 8
@@ -806,13 +807,15 @@ if triton is not None:
             grad_up = (grad_out * silu).to(dtype)
             tl.store(grad_gate_ptr + at, grad_gate, mask=inside)
             tl.store(grad_up_ptr + at, grad_up, mask=inside)
-            acc_b1 += tl.dot(tl.trans(h1), grad_gate, input_precision=PRECISION)
-            acc_b2 += tl.dot(tl.trans(h2), grad_up, input_precision=PRECISION)
+            if B_GRADS:
+                acc_b1 += tl.dot(tl.trans(h1), grad_gate, input_precision=PRECISION)
+                acc_b2 += tl.dot(tl.trans(h2), grad_up, input_precision=PRECISION)
         splits = tl.num_programs(1).to(tl.int64)
         at_partial = partial_ptr + split.to(tl.int64) * R * K
         tl.store(at_partial + r[:, None] * K + columns[None, :], acc_a * inv_keep, mask=in_a)
-        tl.store(at_partial + splits * R * K + at_b, acc_b1 * scale1, mask=in_a)
-        tl.store(at_partial + 2 * splits * R * K + at_b, acc_b2 * scale2, mask=in_a)
+        if B_GRADS:
+            tl.store(at_partial + splits * R * K + at_b, acc_b1 * scale1, mask=in_a)
+            tl.store(at_partial + 2 * splits * R * K + at_b, acc_b2 * scale2, mask=in_a)
 
 
 # Launches, by analogy with lora_down's at K 5,632 (forward) and lora_down_backward's (backward) until measured
@@ -821,13 +824,13 @@ def _swiglu_lora_forward_launch(k: int) -> dict:
 
 
 def _swiglu_lora_backward_launch(k: int) -> dict:
-    return dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2)
+    return dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2, b_grads=True)
 
 
 def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Tensor, b1: torch.Tensor,
                         b2: torch.Tensor, scale1: float, scale2: float, a: torch.Tensor, p: float, seed: torch.Tensor,
                         salt: int = 0, *, block_m: int | None = None, block_k: int | None = None,
-                        num_warps: int | None = None, splits: int | None = None
+                        num_warps: int | None = None, splits: int | None = None, num_stages: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass of a LoRA LLaMA MLP between its frozen matmuls, in one pass over gate and up: with fc_1's
     and fc_2's adapters added (``gate`` and ``up``: the frozen layers' outputs (rows, K); ``after_a``: (rows, 2 R),
@@ -835,7 +838,8 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
     ``scale2``: their alpha / r), returns ``out`` = silu(gate + s1 h1 b1^T) * (up + s2 h2 b2^T) (rows, K) and
     dropout(out) @ a^T (rows, R) for proj's A ``a`` (R, K), the mask that of lora_down with ``seed`` and ``salt``.
     Each sum is rounded to the dtype before the SwiGLU, as the matmul that adds into a 16-bit output rounds it.
-    ``block_m``, ``block_k``, ``num_warps``, ``splits``: the launch (else _swiglu_lora_forward_launch's)."""
+    ``block_m``, ``block_k``, ``num_warps``, ``splits``, ``num_stages``: the launch (else
+    _swiglu_lora_forward_launch's; num_stages Triton's default), for benchmarks/lora_mlp_bench.py."""
     gate, up, after_a = gate.contiguous(), up.contiguous(), after_a.contiguous()
     b1, b2, a = b1.contiguous(), b2.contiguous(), a.contiguous()
     rows, k = gate.shape
@@ -856,7 +860,7 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
         gate, up, after_a, b1, b2, a, out, partial, seed, salt, scale1, scale2, rows, k, r, after_a.stride(0), r,
         rows * r, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate), ROUNDS=LORA_PHILOX_ROUNDS,
-        num_warps=num_warps or launch["num_warps"])
+        num_warps=num_warps or launch["num_warps"], **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         _add_partials_kernel[(triton.cdiv(rows * r, _PARTIALS_BLOCK),)](partial, after_proj_a, rows * r, splits,
                                                                         BLOCK=_PARTIALS_BLOCK, ACCUMULATE=False,
@@ -869,15 +873,18 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
                          grad_after_proj_a: torch.Tensor, p: float, seed: torch.Tensor, salt: int,
                          grad_a: torch.Tensor, grad_b1: torch.Tensor, grad_b2: torch.Tensor, *,
                          block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                         programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         programs_per_sm: int | None = None, b_grads: bool | None = None,
+                         num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward pass of :func:`swiglu_lora_forward` (the same arguments, and ``grad``: the frozen proj's input
     gradient, (rows, K); ``grad_after_proj_a``: the gradient of its second output, (rows, R)) in one pass over
     ``grad``, gate and up: returns the gradients with respect to the sums gate + s1 h1 b1^T and up + s2 h2 b2^T (the
     frozen fc_1's and fc_2's output gradients), and adds proj's A gradient into ``grad_a`` (R, K) and fc_1's and
     fc_2's B gradients into ``grad_b1`` and ``grad_b2`` (K, R), their .grad (contiguous, any float dtype): fp32 sums
     over row splits, rounded once. The gradients with respect to ``after_a`` are left to the caller: the returned
-    gradients times s B, one matmul each. ``block_m``, ``block_k``, ``num_warps``, ``programs_per_sm``: the launch
-    (else _swiglu_lora_backward_launch's)."""
+    gradients times s B, one matmul each. ``block_m``, ``block_k``, ``num_warps``, ``programs_per_sm``,
+    ``num_stages``: the launch (else _swiglu_lora_backward_launch's; num_stages Triton's default); ``b_grads``
+    False: the B gradients by cuBLAS after the kernel, each a second read of a returned gradient (for
+    benchmarks/lora_mlp_bench.py)."""
     grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
     after_a, grad_after_proj_a = after_a.contiguous(), grad_after_proj_a.contiguous()
     b1, b2, a = b1.contiguous(), b2.contiguous(), a.contiguous()
@@ -897,14 +904,19 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
     splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(per_sm * sms, column_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
     splits = triton.cdiv(rows, rows_per_split)
+    b_grads = launch["b_grads"] if b_grads is None else b_grads
     grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-    partial = torch.empty((3, splits, r * k), dtype=torch.float32, device=gate.device)  # a's, b1's, b2's
+    partial = torch.empty((3 if b_grads else 1, splits, r * k), dtype=torch.float32, device=gate.device)
     _swiglu_lora_backward_kernel[(column_blocks, splits)](
         grad, gate, up, after_a, b1, b2, a, grad_after_proj_a, grad_gate, grad_up, partial, seed, salt, scale1,
         scale2, rows, k, r, after_a.stride(0), grad_after_proj_a.stride(0), rows_per_split, p16, inv_keep,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate),
-        ROUNDS=LORA_PHILOX_ROUNDS, num_warps=num_warps or launch["num_warps"])
-    for sums, into in zip(partial, (grad_a, grad_b1, grad_b2)):
+        ROUNDS=LORA_PHILOX_ROUNDS, B_GRADS=b_grads, num_warps=num_warps or launch["num_warps"],
+        **({} if num_stages is None else {"num_stages": num_stages}))
+    if not b_grads:
+        grad_b1.addmm_(grad_gate.t(), after_a[:, :r], alpha=scale1)
+        grad_b2.addmm_(grad_up.t(), after_a[:, r:], alpha=scale2)
+    for sums, into in zip(partial, (grad_a, grad_b1, grad_b2)):  # a's, and b1's and b2's with b_grads
         _add_partials_kernel[(triton.cdiv(r * k, _PARTIALS_BLOCK),)](sums, into, r * k, splits,
                                                                      BLOCK=_PARTIALS_BLOCK, ACCUMULATE=True,
                                                                      num_warps=4)

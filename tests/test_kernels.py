@@ -431,14 +431,14 @@ def _lora_mlp_middle(gate, up, after_a, b1, b2, s1, s2, a, mask, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [1, 2])
-def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device, splits):
+@pytest.mark.parametrize("splits,b_grads", [(1, True), (2, True), (2, False)])
+def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device, splits, b_grads):
     """kernels.swiglu_lora_forward is fc_1's and fc_2's B adds, SwiGLU and proj's dropout(out) @ A^T (proj's mask
     that of lora_down with the same seed and salt), and swiglu_lora_backward gives autograd's gradients of the same
     function: with respect to the adapted gate and up, proj's A (added into its .grad) and fc_1's and fc_2's B (added
-    into theirs). 70 rows (3 row tiles of 32, one partly filled; several row splits), 80 intermediate columns (a
-    column tile of 64 and a partly masked one; forward, one or two column splits), r 12 (R padded to 16); fp32 against
-    float64 references."""
+    into theirs; by the kernel, or with ``b_grads`` False by cuBLAS after it). 70 rows (3 row tiles of 32, one partly
+    filled; several row splits), 80 intermediate columns (a column tile of 64 and a partly masked one; forward, one
+    or two column splits), r 12 (R padded to 16); fp32 against float64 references."""
     torch.manual_seed(0)
     rows, k, r, p, salt = 70, 80, 12, 0.25, 7
     seed = torch.tensor([1357911], device=device)
@@ -463,7 +463,8 @@ def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device,
     earlier = [torch.randn(r, k, device=device), torch.randn(k, r, device=device), torch.randn(k, r, device=device)]
     grad_a, grad_b1, grad_b2 = (t.clone() for t in earlier)  # .grad from earlier micro-batches: added into
     grad_gate, grad_up = kernels.swiglu_lora_backward(grad, gate, up, after_a, b1, b2, s1, s2, a, grad_after_proj_a,
-                                                      p, seed, salt, grad_a, grad_b1, grad_b2, block_k=64)
+                                                      p, seed, salt, grad_a, grad_b1, grad_b2, block_k=64,
+                                                      b_grads=b_grads)
     torch.testing.assert_close(grad_gate.double(), expected[0], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(grad_up.double(), expected[1], rtol=1e-5, atol=1e-4)
     for got, before, wanted in zip((grad_b1, grad_b2, grad_a), (earlier[1], earlier[2], earlier[0]), expected[2:]):
@@ -615,7 +616,7 @@ mlp_backward = {"grad_ptr": "*bf16", "gate_ptr": "*bf16", "up_ptr": "*bf16", "h_
                 "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "scale1": "fp32", "scale2": "fp32",
                 "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32", "stride_gp": "i32", "rows_per_split": "i32",
                 "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr"}
+                "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "B_GRADS": "constexpr"}
 for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one split)
     launch = kernels._swiglu_lora_forward_launch(k)
     for hp in ("*bf16", "*fp32"):
@@ -623,9 +624,11 @@ for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one sp
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32, "PRECISION": "tf32",
                           "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
     launch = kernels._swiglu_lora_backward_launch(k)
-    compile_for_sm90(kernels._swiglu_lora_backward_kernel, mlp_backward,
-                     {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32, "PRECISION": "tf32",
-                      "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
+    for b_grads in (True, False):
+        compile_for_sm90(kernels._swiglu_lora_backward_kernel, mlp_backward,
+                         {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32,
+                          "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "B_GRADS": b_grads,
+                          "num_warps": launch["num_warps"]})
 for accumulate in (True, False):
     compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
                                                      "splits": "i32", "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
