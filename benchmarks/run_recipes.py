@@ -532,6 +532,12 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora", "tiny-llama-qlora", GPU + steps(60)),
         ("lora-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
+    # The same, after the forward kernel's launch from lora-mlp-s18b.md (BLOCK_K 64, 2 splits): the shipped LoRA
+    # recipe twice, at 60 steps.
+    "s18-mlp-b": [
+        ("lora", "tiny-llama-lora", GPU + steps(60)),
+        ("lora-again", "tiny-llama-lora", GPU + steps(60)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -10,6 +10,8 @@ outputs once, in fp32 arithmetic rounded once to the output dtype:
 - LoRA's dropout, its mask drawn again from a seed in the backward pass instead of kept (1 byte per element);
 - LoRA's A side with its dropout (model.FusedLoRA): x @ A^T with the mask drawn as x is read, and backward A's
   gradient and the adapter's input gradient added into the frozen layer's, in one pass over x each way;
+- a LoRA MLP's middle (model.FusedLoRAMLP): fc_1's and fc_2's B adds, the SwiGLU and proj's A side in one kernel
+  each way, with the B gradients and proj's A gradient summed in the backward one;
 - AdamW's step, without the write-back of clipped gradients that torch's fused kernel does (:class:`AdamW`).
 
 Why: in an eager step every torch op is its own kernel, and each reads and writes whole activations. On the H100
@@ -818,9 +820,17 @@ if triton is not None:
             tl.store(at_partial + 2 * splits * R * K + at_b, acc_b2 * scale2, mask=in_a)
 
 
-# Launches, by analogy with lora_down's at K 5,632 (forward) and lora_down_backward's (backward) until measured
+# Launches: the fastest or within the sweeps' noise at TinyLlama's sizes (4,096 rows, K 5,632, R 32) on the H100
+# (benchmarks/results/lora-mlp-s18a.md and -s18b.md; triton.testing.do_bench, ms, the same launch 0.277-0.303 ms
+# across and within the two calls):
+#   forward:  BLOCK_M 16, BLOCK_K 64, 4 warps, the columns split over 2 programs per row block (0.095 / 0.096; BLOCK_K
+#             128 with 4 splits 0.102 / 0.104; BLOCK_M 32 0.16-0.33; 2 warps 0.12-0.13; num_stages 1, 2, 4 slower)
+#   backward: BLOCK_M 32, BLOCK_K 64, 4 warps, 2 programs per SM, B gradients in the kernel (0.277 / 0.282 with the
+#             r-wide matmuls after it; the B gradients by cuBLAS instead 0.25-0.27 at best; larger tiles up to 4x
+#             slower, their registers spilled). Against the layers apart, 0.194 + 0.286 ms in the first call.
+# The backward kernel runs at ~2x its bandwidth floor (5 passes: 0.069 ms), the forward at ~2.3x (0.041 ms).
 def _swiglu_lora_forward_launch(k: int) -> dict:
-    return dict(block_m=16, block_k=128, num_warps=4, splits=4 if k > 4096 else 1)
+    return dict(block_m=16, block_k=64, num_warps=4, splits=2 if k > 4096 else 1)
 
 
 def _swiglu_lora_backward_launch(k: int) -> dict:
