@@ -39,7 +39,7 @@ for step in "$@"; do
             tail -40 "$OUT/vs7b-${step#vs7b:}.log" ;;
     lora-kernels) timeout "$left" python3 benchmarks/lora_kernel_bench.py --out "$OUT/lora-kernels.md" > "$OUT/lora-kernels.log" 2>&1 || status=1
                   tail -12 "$OUT/lora-kernels.log" ;;
-    lora-mlp) timeout "$left" python3 benchmarks/lora_mlp_bench.py --out "$OUT/lora-mlp.md" > "$OUT/lora-mlp.log" 2>&1 || status=1
+    lora-mlp) timeout "$left" python3 benchmarks/lora_mlp_bench.py ${MLP_SWEEP:+--sweep} --out "$OUT/lora-mlp.md" > "$OUT/lora-mlp.log" 2>&1 || status=1
               tail -12 "$OUT/lora-mlp.log" ;;
     attention) timeout "$left" python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1 || status=1
                tail -20 "$OUT/attention.log" ;;

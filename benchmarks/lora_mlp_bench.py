@@ -33,6 +33,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[4096])
+    parser.add_argument("--sweep", action="store_true", help="also time other launches of the two kernels")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -88,7 +89,42 @@ def main() -> int:
         default_b = do_bench(after_backward, warmup=10, rep=50)
         lines.append(f"| {rows} | after, default launches | {default_f:.4f} | {default_b:.4f} |"
                      f" {default_f + default_b:.4f} |")
+        # the dropout mask's share: p = 0 draws none (the kernels' DROPOUT off)
+        no_mask_f = do_bench(lambda: kernels.swiglu_lora_forward(gate0, up0, after_a, b1, b2, 0.5, 0.5, a, 0.0, seed,
+                                                                 3), warmup=10, rep=50)
+        no_mask_b = do_bench(lambda: kernels.swiglu_lora_backward(grad_in, gate0, up0, after_a, b1, b2, 0.5, 0.5, a,
+                                                                  gp, 0.0, seed, 3, grad_a, grad_b1, grad_b2),
+                             warmup=10, rep=50)
+        lines.append(f"| {rows} | after, default launches, p 0 (no mask drawn; backward without the r-wide matmuls)"
+                     f" | {no_mask_f:.4f} | {no_mask_b:.4f} | {no_mask_f + no_mask_b:.4f} |")
+        with_mask_b = do_bench(lambda: kernels.swiglu_lora_backward(grad_in, gate0, up0, after_a, b1, b2, 0.5, 0.5,
+                                                                    a, gp, P, seed, 3, grad_a, grad_b1, grad_b2),
+                               warmup=10, rep=50)
+        lines.append(f"| {rows} | after, default launches, p {P} (backward without the r-wide matmuls) | |"
+                     f" {with_mask_b:.4f} | |")
+        mask_lines = []
+        for name, k, r, pair in (("q, k, v", 2048, 96, False), ("fc_1 + fc_2 (pair)", 2048, 32, True),
+                                 ("attention's proj", 2048, 32, False)):
+            x = bf16(rows, k)
+            a_ = bf16(r, k, std=k**-0.5)
+            a_grad = torch.zeros_like(a_)
+            extra = dict(a2=bf16(r, k, std=k**-0.5), salt2=1) if pair else {}
+            g = bf16(rows, 2 * r if pair else r)
+            frozen = bf16(rows, k)
+            grads = dict(extra, grad_a2=torch.zeros_like(a_)) if pair else {}
+            timings = []
+            for p in (P, 0.0):
+                timings.append(do_bench(lambda: kernels.lora_down(x, a_, p, seed, **extra), warmup=10, rep=50))
+                timings.append(do_bench(lambda: kernels.lora_down_backward(x, a_, g, p, seed, frozen, grad_a=a_grad,
+                                                                           **grads), warmup=10, rep=50))
+            mask_lines.append(f"| {rows} | {name} ({k}, {r}) | " + " | ".join(f"{t:.4f}" for t in timings) + " |")
+        lines += ["", f"LoRA's A-side kernels with dropout {P} and without (p 0: no mask drawn), ms:", "",
+                  f"| M | layer (K, R) | forward, p {P} | backward, p {P} | forward, p 0 | backward, p 0 |",
+                  "|---|---|---|---|---|---|"] + mask_lines + [""]
         best_f, best_b = (default_f, "default"), (default_b, "default")
+        if not args.sweep:
+            continue
+        lines += ["Other launches:", "", "| M | variant | forward ms | backward ms | both |", "|---|---|---|---|---|"]
         forward_launches = [dict(block_m=16, block_k=k_, num_warps=w, splits=s_)
                             for k_, w, s_ in itertools.product((32, 64), (2, 4), (2, 4))]
         forward_launches += [dict(block_m=16, block_k=64, num_warps=4, splits=2, num_stages=n) for n in (1, 2, 4)]

@@ -538,6 +538,16 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora", "tiny-llama-lora", GPU + steps(60)),
         ("lora-again", "tiny-llama-lora", GPU + steps(60)),
     ],
+    # The dropout mask's cost in a whole step: LoRA at dropout 0 with the code before this session (d068a27, out/prev:
+    # its kernels draw a mask that keeps everything) and with this one (DROPOUT off: none drawn), and the recipe as
+    # shipped (dropout 0.05) beside them; 60 steps each.
+    "s18-dropout": [
+        ("p0-before", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"], PREVIOUS),
+        ("p0", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"]),
+        ("p005", "tiny-llama-lora", GPU + steps(60)),
+        ("p0-again", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"]),
+        ("p005-again", "tiny-llama-lora", GPU + steps(60)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

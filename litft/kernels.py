@@ -413,19 +413,26 @@ def _lora_p16(p: float) -> tuple[int, float]:
 if triton is not None:
 
     @triton.jit
-    def _lora_keep(seed, rows, first_column, row_counters, p16, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr):
-        # the (BLOCK_M, BLOCK_K) keep mask of columns first_column ... + BLOCK_K (first_column a multiple of 8)
-        counters = rows[:, None] * row_counters + first_column // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
-        w0, w1, w2, w3 = tl.randint4x(seed, counters, ROUNDS)
-        halves = tl.join(tl.join(tl.join(w0 & 0xFFFF, (w0 >> 16) & 0xFFFF), tl.join(w1 & 0xFFFF, (w1 >> 16) & 0xFFFF)),
-                         tl.join(tl.join(w2 & 0xFFFF, (w2 >> 16) & 0xFFFF), tl.join(w3 & 0xFFFF, (w3 >> 16) & 0xFFFF)))
-        return tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16  # (BLOCK_M, BLOCK_K // 8, 2, 2, 2) flattened
+    def _lora_keep(seed, rows, first_column, row_counters, p16, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr,
+                   DROPOUT: tl.constexpr):
+        # the (BLOCK_M, BLOCK_K) keep mask of columns first_column ... + BLOCK_K (first_column a multiple of 8);
+        # without DROPOUT (p = 0) all true, and no random numbers drawn: the compiler drops the mask's selects
+        keep = tl.full((rows.shape[0], BLOCK_K), 1, tl.int1)
+        if DROPOUT:
+            counters = rows[:, None] * row_counters + first_column // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
+            w0, w1, w2, w3 = tl.randint4x(seed, counters, ROUNDS)
+            halves = tl.join(
+                tl.join(tl.join(w0 & 0xFFFF, (w0 >> 16) & 0xFFFF), tl.join(w1 & 0xFFFF, (w1 >> 16) & 0xFFFF)),
+                tl.join(tl.join(w2 & 0xFFFF, (w2 >> 16) & 0xFFFF), tl.join(w3 & 0xFFFF, (w3 >> 16) & 0xFFFF)))
+            keep = tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16  # (BLOCK_M, BLOCK_K // 8, 2, 2, 2) flattened
+        return keep
 
     @triton.jit(do_not_specialize=["M", "salt", "salt2"])
     def _lora_down_kernel(x_ptr, a_ptr, a2_ptr, out_ptr, seed_ptr, salt, salt2, M, K, R, stride_x, stride_a,
                           stride_out, stride_split, columns_per_split, p16, inv_keep,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                          PRECISION: tl.constexpr, ROUNDS: tl.constexpr, PAIR: tl.constexpr):
+                          PRECISION: tl.constexpr, ROUNDS: tl.constexpr, PAIR: tl.constexpr,
+                          DROPOUT: tl.constexpr):
         # program (row block, column split): out[split, rows] = dropout(x[rows, split's columns]) @ a[:, those]^T, the
         # mask applied as x is read. One split: out is the result; more: fp32 partial sums, which
         # _add_partials_kernel adds. PAIR: a second adapter over the same x (a2, its own mask from salt2), written
@@ -446,11 +453,13 @@ if triton is not None:
                         mask=(rows[:, None] < M) & (columns[None, :] < stop), other=0.0)
             at_a = r[None, :] * stride_a + columns[:, None]
             in_a = (r[None, :] < R) & (columns[:, None] < stop)
-            kept = tl.where(_lora_keep(seed + salt, rows, start, row_counters, p16, BLOCK_K, ROUNDS), x, 0.0)
+            keep = _lora_keep(seed + salt, rows, start, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+            kept = tl.where(keep, x, 0.0)
             acc += tl.dot(kept.to(dtype), tl.load(a_ptr + at_a, mask=in_a, other=0.0).to(dtype),
                           input_precision=PRECISION)
             if PAIR:
-                kept = tl.where(_lora_keep(seed + salt2, rows, start, row_counters, p16, BLOCK_K, ROUNDS), x, 0.0)
+                keep2 = _lora_keep(seed + salt2, rows, start, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+                kept = tl.where(keep2, x, 0.0)
                 acc2 += tl.dot(kept.to(dtype), tl.load(a2_ptr + at_a, mask=in_a, other=0.0).to(dtype),
                                input_precision=PRECISION)
         at_out = out_ptr + split.to(tl.int64) * stride_split + rows[:, None].to(tl.int64) * stride_out + r[None, :]
@@ -465,7 +474,8 @@ if triton is not None:
                                    rows_per_split, p16, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                                   ROUNDS: tl.constexpr, SWIGLU: tl.constexpr, PAIR: tl.constexpr):
+                                   ROUNDS: tl.constexpr, SWIGLU: tl.constexpr, PAIR: tl.constexpr,
+                                   DROPOUT: tl.constexpr):
         # program (column block, split): BLOCK_K columns over one split's rows. Per (BLOCK_M, BLOCK_K) tile of x:
         # acc (BLOCK_R, BLOCK_K) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the
         # split's partial sum of a's gradient over those columns, in fp32. PAIR: a second adapter over the same x
@@ -490,7 +500,7 @@ if triton is not None:
         for row in range(start, stop, BLOCK_M):
             rows = row + tl.arange(0, BLOCK_M)
             inside = (rows[:, None] < stop) & (columns[None, :] < K)
-            keep = _lora_keep(seed + salt, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
+            keep = _lora_keep(seed + salt, rows, first, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
             at_g = g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :]
             in_g = (rows[:, None] < stop) & (r[None, :] < R)
             g = tl.load(at_g, mask=in_g, other=0.0).to(dtype)
@@ -504,7 +514,7 @@ if triton is not None:
             if WRITE_GRAD_X:
                 grad_x = tl.where(keep, tl.dot(g, a, input_precision=PRECISION) * inv_keep, 0.0)
             if PAIR:
-                keep2 = _lora_keep(seed + salt2, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
+                keep2 = _lora_keep(seed + salt2, rows, first, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
                 g2 = tl.load(at_g + R, mask=in_g, other=0.0).to(dtype)
                 acc2 += tl.dot(tl.trans(g2), tl.where(keep2, x, 0.0).to(dtype), input_precision=PRECISION)
                 if WRITE_GRAD_X:
@@ -614,6 +624,7 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
         x, a, a2 if a2 is not None else a, partial, seed, salt, salt2, rows, k, r, x.stride(0), a.stride(0), width,
         rows * width, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS,
+        DROPOUT=p16 > 0,
         PAIR=a2 is not None, num_warps=num_warps or launch["num_warps"])
     if splits > 1:
         _add_partials_kernel[(triton.cdiv(rows * width, _PARTIALS_BLOCK),)](partial, out, rows * width, splits,
@@ -673,7 +684,7 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
         k, r, x.stride(0), a.stride(0), grad_after_a.stride(0), grad_x.stride(0) if grad_x is not None else x.stride(0),
         rows_per_split, p16, inv_keep, HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m,
         BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x),
-        ROUNDS=LORA_PHILOX_ROUNDS, SWIGLU=gate is not None, PAIR=a2 is not None,
+        ROUNDS=LORA_PHILOX_ROUNDS, DROPOUT=p16 > 0, SWIGLU=gate is not None, PAIR=a2 is not None,
         num_warps=num_warps or launch["num_warps"])
     grad_x = grad_x if input_grad else None
     if a2 is not None:
@@ -719,7 +730,7 @@ if triton is not None:
     def _swiglu_lora_forward_kernel(gate_ptr, up_ptr, h_ptr, b1_ptr, b2_ptr, a_ptr, out_ptr, hp_ptr, seed_ptr, salt,
                                     scale1, scale2, M, K, R, stride_h, stride_hp, stride_split, columns_per_split, p16,
                                     inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                                    PRECISION: tl.constexpr, ROUNDS: tl.constexpr):
+                                    PRECISION: tl.constexpr, ROUNDS: tl.constexpr, DROPOUT: tl.constexpr):
         # program (row block, column split), over the split's column tiles of (M, K) gate and up:
         #   gate = gate + s1 h1 b1^T, up = up + s2 h2 b2^T (h1, h2: the r-wide A outputs of fc_1 and fc_2, h's two
         #   halves; b1, b2: their B, (K, R)); out = silu(gate) * up, written; hp[split, rows] += dropout(out) @ a^T
@@ -750,7 +761,8 @@ if triton is not None:
                                 tl.load(b2_ptr + at_b, mask=in_b, other=0.0).to(dtype), scale2, PRECISION)
             out = (gate * tl.sigmoid(gate) * up).to(dtype)
             tl.store(out_ptr + at, out, mask=inside)
-            kept = tl.where(_lora_keep(seed + salt, rows, start, row_counters, p16, BLOCK_K, ROUNDS), out, 0.0)
+            keep = _lora_keep(seed + salt, rows, start, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+            kept = tl.where(keep, out, 0.0)
             acc += tl.dot(kept.to(dtype), tl.load(a_ptr + r[None, :] * K + columns[:, None],
                                                   mask=(r[None, :] < R) & (columns[:, None] < stop),
                                                   other=0.0).to(dtype), input_precision=PRECISION)
@@ -762,7 +774,7 @@ if triton is not None:
                                      grad_up_ptr, partial_ptr, seed_ptr, salt, scale1, scale2, M, K, R, stride_h,
                                      stride_gp, rows_per_split, p16, inv_keep, BLOCK_M: tl.constexpr,
                                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                                     ROUNDS: tl.constexpr, B_GRADS: tl.constexpr):
+                                     ROUNDS: tl.constexpr, B_GRADS: tl.constexpr, DROPOUT: tl.constexpr):
         # program (column block, row split), over the split's row tiles: gate, up and out rebuilt as the forward
         # kernel made them; grad_out = grad (the frozen proj's input gradient) + dropout'(gp @ a) (gp: the gradient
         # of proj's r-wide A output); gate's and up's gradients written; and, in fp32 over the split's rows, the
@@ -799,7 +811,7 @@ if triton is not None:
             up = _with_low_rank(tl.load(up_ptr + at, mask=inside, other=0.0), h2, b2_t, scale2, PRECISION)
             sigmoid = tl.sigmoid(gate)
             silu = gate * sigmoid
-            keep = _lora_keep(seed + salt, rows, first, row_counters, p16, BLOCK_K, ROUNDS)
+            keep = _lora_keep(seed + salt, rows, first, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
             acc_a += tl.dot(tl.trans(gp), tl.where(keep, (silu * up).to(dtype), 0.0).to(dtype),
                             input_precision=PRECISION)
             grad_out = tl.load(grad_ptr + at, mask=inside, other=0.0).to(tl.float32) + tl.where(
@@ -870,6 +882,7 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
         gate, up, after_a, b1, b2, a, out, partial, seed, salt, scale1, scale2, rows, k, r, after_a.stride(0), r,
         rows * r, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate), ROUNDS=LORA_PHILOX_ROUNDS,
+        DROPOUT=p16 > 0,
         num_warps=num_warps or launch["num_warps"], **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         _add_partials_kernel[(triton.cdiv(rows * r, _PARTIALS_BLOCK),)](partial, after_proj_a, rows * r, splits,
@@ -921,7 +934,7 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
         grad, gate, up, after_a, b1, b2, a, grad_after_proj_a, grad_gate, grad_up, partial, seed, salt, scale1,
         scale2, rows, k, r, after_a.stride(0), grad_after_proj_a.stride(0), rows_per_split, p16, inv_keep,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate),
-        ROUNDS=LORA_PHILOX_ROUNDS, B_GRADS=b_grads, num_warps=num_warps or launch["num_warps"],
+        ROUNDS=LORA_PHILOX_ROUNDS, DROPOUT=p16 > 0, B_GRADS=b_grads, num_warps=num_warps or launch["num_warps"],
         **({} if num_stages is None else {"num_stages": num_stages}))
     if not b_grads:
         grad_b1.addmm_(grad_gate.t(), after_a[:, :r], alpha=scale1)

@@ -367,6 +367,30 @@ def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pair", [False, True])
+def test_lora_down_kernels_without_dropout_are_the_plain_matmuls(device, pair):
+    """With p 0 the kernels draw no mask (DROPOUT off): lora_down is x @ a^T, and lora_down_backward adds g @ a into
+    the frozen input gradient and g^T x into a's .grad; one adapter or the pair. fp32 against float64."""
+    torch.manual_seed(0)
+    rows, k, r = 70, 80, 12
+    seed = torch.tensor([5], device=device)
+    x, a, a2 = torch.randn(rows, k, device=device), torch.randn(r, k, device=device), torch.randn(r, k, device=device)
+    both = torch.cat([a, a2]) if pair else a
+    extra = dict(a2=a2, salt2=1) if pair else {}
+    torch.testing.assert_close(kernels.lora_down(x, a, 0.0, seed, **extra).double(), x.double() @ both.double().t(),
+                               rtol=1e-5, atol=1e-4)
+    g, frozen = torch.randn(rows, both.shape[0], device=device), torch.randn(rows, k, device=device)
+    grad_a, grad_a2 = torch.zeros_like(a), torch.zeros_like(a2)
+    grads = dict(a2=a2, salt2=1, grad_a2=grad_a2) if pair else {}
+    grad_x, _ = kernels.lora_down_backward(x, a, g, 0.0, seed, frozen.clone(), grad_a=grad_a, **grads)
+    torch.testing.assert_close(grad_x.double(), frozen.double() + g.double() @ both.double(), rtol=1e-5, atol=1e-4)
+    expected = g.double().t() @ x.double()
+    torch.testing.assert_close(grad_a.double(), expected[:r], rtol=1e-5, atol=1e-4)
+    if pair:
+        torch.testing.assert_close(grad_a2.double(), expected[r:], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_lora_down_backward_rebuilds_a_swiglu_input_as_the_forward_kernel_made_it(device):
     """With ``gate``, lora_down_backward takes the layer's input as silu(gate) * up, rebuilt tile by tile: the same
     gradients as from the product swiglu_forward wrote (the MLP's proj keeps fc_1's and fc_2's outputs, not it)."""
@@ -430,17 +454,28 @@ def _lora_mlp_middle(gate, up, after_a, b1, b2, s1, s2, a, mask, scale):
     return out, (out * mask * scale) @ a.t()
 
 
+@pytest.fixture
+def full_fp32_matmuls():
+    """fp32 matmuls in full fp32 for the test: an earlier GPU test (a training run) may have allowed TF32, which
+    rounds cuBLAS's fp32 products to 10 bits."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits,b_grads", [(1, True), (2, True), (2, False)])
-def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device, splits, b_grads):
+@pytest.mark.parametrize("splits,b_grads,p", [(1, True, 0.25), (2, True, 0.25), (2, False, 0.25), (2, True, 0.0)])
+def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device, splits, b_grads, p,
+                                                                         full_fp32_matmuls):
     """kernels.swiglu_lora_forward is fc_1's and fc_2's B adds, SwiGLU and proj's dropout(out) @ A^T (proj's mask
     that of lora_down with the same seed and salt), and swiglu_lora_backward gives autograd's gradients of the same
     function: with respect to the adapted gate and up, proj's A (added into its .grad) and fc_1's and fc_2's B (added
     into theirs; by the kernel, or with ``b_grads`` False by cuBLAS after it). 70 rows (3 row tiles of 32, one partly
     filled; several row splits), 80 intermediate columns (a column tile of 64 and a partly masked one; forward, one
-    or two column splits), r 12 (R padded to 16); fp32 against float64 references."""
+    or two column splits), r 12 (R padded to 16); and with p 0 (no mask drawn). fp32 against float64 references."""
     torch.manual_seed(0)
-    rows, k, r, p, salt = 70, 80, 12, 0.25, 7
+    rows, k, r, salt = 70, 80, 12, 7
     seed = torch.tensor([1357911], device=device)
     mask = _lora_mask(rows, k, p, seed + salt, device).double()  # the kernels draw with seed + salt
     scale = 1 / (1 - p)
@@ -556,6 +591,7 @@ def test_lora_down_pair_in_bf16_on_cuda_is_two_calls_at_training_sizes():
 
 
 _COMPILE_FOR_SM90 = r"""
+import itertools
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -576,24 +612,25 @@ forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "a2_ptr": "*bf16", "out_ptr": "*b
            "salt2": "i32", "M": "i32",
            "K": "i32", "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "stride_split": "i32",
            "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-           "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "PAIR": "constexpr"}
+           "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "PAIR": "constexpr",
+           "DROPOUT": "constexpr"}
 backward = {"x_ptr": "*bf16", "gate_ptr": "*bf16", "a_ptr": "*bf16", "a2_ptr": "*bf16", "g_ptr": "*bf16",
             "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16", "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32",
             "salt2": "i32", "M": "i32", "K": "i32", "R": "i32",
             "stride_x": "i32", "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
             "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
             "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr",
-            "SWIGLU": "constexpr", "PAIR": "constexpr"}
+            "SWIGLU": "constexpr", "PAIR": "constexpr", "DROPOUT": "constexpr"}
 for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _lora_down*_launch picks
     block_r = max(16, kernels._next_power_of_2(r))
     launch = kernels._lora_down_launch(k)
     pairs = (False, True) if (k, r) == (2048, 32) else (False,)  # the pair: LLaMA's fc_1 and fc_2 over one input
     for out in ("*bf16", "*fp32"):  # the result, or the splits' partial sums
-        for pair in pairs:
+        for pair, dropout in itertools.product(pairs, (True, False)):  # dropout False: p = 0, no mask drawn
             compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
                              {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                               "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "PAIR": pair,
-                              "num_warps": launch["num_warps"]})
+                              "DROPOUT": dropout, "num_warps": launch["num_warps"]})
     launch = kernels._lora_down_backward_launch(k, r)
     variants = [(True, True, False, False), (False, True, False, False), (False, False, False, False),
                 (True, True, True, False)]  # (HAS_GRAD_IN, WRITE_GRAD_X, SWIGLU, PAIR)
@@ -604,31 +641,32 @@ for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _l
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                           "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x, "PRECISION": "tf32",
                           "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "SWIGLU": swiglu, "PAIR": pair,
-                          "num_warps": launch["num_warps"]})
+                          "DROPOUT": has_grad_in, "num_warps": launch["num_warps"]})  # p = 0 runs too
 mlp_forward = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16", "b2_ptr": "*bf16",
                "a_ptr": "*bf16", "out_ptr": "*bf16", "hp_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32",
                "scale1": "fp32", "scale2": "fp32", "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32",
                "stride_hp": "i32", "stride_split": "i32", "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32",
                "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr",
-               "ROUNDS": "constexpr"}
+               "ROUNDS": "constexpr", "DROPOUT": "constexpr"}
 mlp_backward = {"grad_ptr": "*bf16", "gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16",
                 "b2_ptr": "*bf16", "a_ptr": "*bf16", "gp_ptr": "*bf16", "grad_gate_ptr": "*bf16", "grad_up_ptr": "*bf16",
                 "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "scale1": "fp32", "scale2": "fp32",
                 "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32", "stride_gp": "i32", "rows_per_split": "i32",
                 "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "B_GRADS": "constexpr"}
+                "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "B_GRADS": "constexpr",
+                "DROPOUT": "constexpr"}
 for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one split)
     launch = kernels._swiglu_lora_forward_launch(k)
-    for hp in ("*bf16", "*fp32"):
+    for hp, dropout in (("*bf16", True), ("*fp32", True), ("*fp32", False)):
         compile_for_sm90(kernels._swiglu_lora_forward_kernel, dict(mlp_forward, hp_ptr=hp),
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32, "PRECISION": "tf32",
-                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "num_warps": launch["num_warps"]})
+                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "DROPOUT": dropout, "num_warps": launch["num_warps"]})
     launch = kernels._swiglu_lora_backward_launch(k)
     for b_grads in (True, False):
         compile_for_sm90(kernels._swiglu_lora_backward_kernel, mlp_backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32,
                           "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "B_GRADS": b_grads,
-                          "num_warps": launch["num_warps"]})
+                          "DROPOUT": b_grads, "num_warps": launch["num_warps"]})
 for accumulate in (True, False):
     compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
                                                      "splits": "i32", "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
