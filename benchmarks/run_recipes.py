@@ -548,6 +548,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("p0-again", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"]),
         ("p005-again", "tiny-llama-lora", GPU + steps(60)),
     ],
+    # OpenLLaMA-7B LoRA (intermediate 11,008: FusedLoRAMLP's launches were chosen at TinyLlama's 5,632) beside the
+    # code before this session (d068a27, out/prev), 12 steps, twice each way.
+    "s18-7b": [
+        ("7b-lora-before", "open-llama-7b-lora", GPU + steps(12), PREVIOUS),
+        ("7b-lora", "open-llama-7b-lora", GPU + steps(12)),
+        ("7b-lora-before-again", "open-llama-7b-lora", GPU + steps(12), PREVIOUS),
+        ("7b-lora-again", "open-llama-7b-lora", GPU + steps(12)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
