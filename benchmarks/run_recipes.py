@@ -556,6 +556,11 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("7b-lora-before-again", "open-llama-7b-lora", GPU + steps(12), PREVIOUS),
         ("7b-lora-again", "open-llama-7b-lora", GPU + steps(12)),
     ],
+    # Where the 7B step's time goes with and without FusedLoRAMLP (s18-7b: 3.4% slower with it): steps 8-9 profiled.
+    "s18-7b-profile": [
+        ("7b-lora-before-profile", "open-llama-7b-lora", GPU + steps(10) + ["--logging.profile", "8-9"], PREVIOUS),
+        ("7b-lora-profile", "open-llama-7b-lora", GPU + steps(10) + ["--logging.profile", "8-9"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
