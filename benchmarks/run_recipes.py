@@ -561,6 +561,14 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("7b-lora-before-profile", "open-llama-7b-lora", GPU + steps(10) + ["--logging.profile", "8-9"], PREVIOUS),
         ("7b-lora-profile", "open-llama-7b-lora", GPU + steps(10) + ["--logging.profile", "8-9"]),
     ],
+    # After the forward kernel's column splits followed the row count (8 programs per SM): 7B LoRA beside d068a27
+    # again, and TinyLlama LoRA beside it too; 12 and 60 steps.
+    "s18-splits": [
+        ("7b-lora-before", "open-llama-7b-lora", GPU + steps(12), PREVIOUS),
+        ("7b-lora", "open-llama-7b-lora", GPU + steps(12)),
+        ("lora-before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("lora", "tiny-llama-lora", GPU + steps(60)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -841,8 +841,12 @@ if triton is not None:
 #             r-wide matmuls after it; the B gradients by cuBLAS instead 0.25-0.27 at best; larger tiles up to 4x
 #             slower, their registers spilled). Against the layers apart, 0.194 + 0.286 ms in the first call.
 # The backward kernel runs at ~2x its bandwidth floor (5 passes: 0.069 ms), the forward at ~2.3x (0.041 ms).
+# The forward's column splits follow the row count: OpenLLaMA-7B's micro-batch (2,048 rows, K 11,008) at 2 splits
+# was 256 programs of 86 column tiles each, and the kernel took 252 us per call in a step, 2x the layers apart
+# (results/s18-7b-profile); at least 8 programs per SM (~1,056 on the H100) keeps more tiles in flight: TinyLlama's
+# 4,096 rows take 5 splits (the sweep: 2 and 4 splits within 2% of each other), 7B's 9.
 def _swiglu_lora_forward_launch(k: int) -> dict:
-    return dict(block_m=16, block_k=64, num_warps=4, splits=2 if k > 4096 else 1)
+    return dict(block_m=16, block_k=64, num_warps=4, programs_per_sm=8)
 
 
 def _swiglu_lora_backward_launch(k: int) -> dict:
@@ -872,7 +876,10 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
     p16, inv_keep = _lora_p16(p)
     launch = _swiglu_lora_forward_launch(k)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
-    splits = min(splits or launch["splits"], triton.cdiv(k, block_k))
+    if splits is None:  # enough programs to fill the GPU (launch's programs_per_sm), whatever the row count
+        sms = torch.cuda.get_device_properties(gate.device).multi_processor_count if gate.is_cuda else 2
+        splits = triton.cdiv(launch["programs_per_sm"] * sms, triton.cdiv(rows, block_m))
+    splits = max(1, min(splits, triton.cdiv(k, block_k)))
     columns_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # whole tiles: masks start at 8s
     splits = triton.cdiv(k, columns_per_split)
     out = torch.empty_like(gate)
