@@ -342,8 +342,8 @@ def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypa
     adapters inside the SwiGLU kernels), each layer's mask from the forward pass's shared seed and its own salt: the
     output, x's gradient and all six adapter gradients of FusedLoRAPair + SwiGLU + FusedLoRA (the path it replaces),
     over two micro-batches (gradients added into .grad). It keeps what that path keeps. Without a shared seed (a
-    layer called outside CausalLM's forward) the MLP runs that path. fp32, Triton's interpreter standing in for
-    CUDA as in the test above."""
+    layer called outside CausalLM's forward), or wider than FUSED_LORA_MLP_MAX_INTERMEDIATE, the MLP runs that path.
+    fp32, Triton's interpreter standing in for CUDA as in the test above."""
     from litft import kernels, model
 
     gpt = _lora_gpt(tiny_recipe, ["mlp"], dropout=0.25)
@@ -385,6 +385,11 @@ def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypa
     monkeypatch.setattr(kernels, "available", lambda x: True)
     monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
     gpt.lora_seeds.tensor = None
+    assert not model._fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
+    # nor for an MLP wider than it was measured faster at
+    gpt.lora_seeds.tensor = torch.tensor([3])
+    assert model._fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
+    monkeypatch.setattr(model, "FUSED_LORA_MLP_MAX_INTERMEDIATE", mlp.fc_1.lora_B.shape[0] - 1)
     assert not model._fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
 
 
