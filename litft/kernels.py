@@ -842,9 +842,11 @@ if triton is not None:
 #             slower, their registers spilled). Against the layers apart, 0.194 + 0.286 ms in the first call.
 # The backward kernel runs at ~2x its bandwidth floor (5 passes: 0.069 ms), the forward at ~2.3x (0.041 ms).
 # The forward's column splits follow the row count: OpenLLaMA-7B's micro-batch (2,048 rows, K 11,008) at 2 splits
-# was 256 programs of 86 column tiles each, and the kernel took 252 us per call in a step, 2x the layers apart
-# (results/s18-7b-profile); at least 8 programs per SM (~1,056 on the H100) keeps more tiles in flight: TinyLlama's
-# 4,096 rows take 5 splits (the sweep: 2 and 4 splits within 2% of each other), 7B's 9.
+# was 256 programs of 86 column tiles each, and the kernel took 252 us per call in a step, where the SwiGLU and proj
+# A-side kernels it replaces took ~65 us (plus two cuBLAS B adds; results/s18-7b-profile). At least 8 programs per
+# SM (~1,056 on the H100) keeps more tiles in flight: TinyLlama's 4,096 rows take 5 splits (the sweep: 2 and 4
+# splits within 2% of each other; the step +3.8% in s18-splits), 7B's 9 (the 7B step still 2.0% slower than the
+# layers apart, so model.FUSED_LORA_MLP_MAX_INTERMEDIATE keeps the 7B on them).
 def _swiglu_lora_forward_launch(k: int) -> dict:
     return dict(block_m=16, block_k=64, num_warps=4, programs_per_sm=8)
 
