@@ -588,6 +588,27 @@ def _lora_down_backward_launch(k: int, r: int) -> dict:
     return dict(block_m=32, block_k=128, num_warps=8, programs_per_sm=2)
 
 
+def _sm_count(t: torch.Tensor) -> int:
+    """The streaming multiprocessors of t's GPU; 2 for a CPU tensor (the interpreter's tests)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 2
+
+
+def _column_splits(k: int, block_k: int, splits: int) -> tuple[int, int]:
+    """(splits, columns per split) for K columns over at most ``splits`` programs per row block, each split whole
+    tiles of block_k (so each split's masks start at a multiple of 8), none of them empty."""
+    splits = max(1, min(splits, triton.cdiv(k, block_k)))
+    columns_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return triton.cdiv(k, columns_per_split), columns_per_split
+
+
+def _row_splits(rows: int, block_m: int, column_blocks: int, programs: int) -> tuple[int, int]:
+    """(splits, rows per split) for a (column blocks x splits) grid of about ``programs`` programs, each split whole
+    tiles of block_m rows, none of them empty."""
+    splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(programs, column_blocks)))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
+    return triton.cdiv(rows, rows_per_split), rows_per_split
+
+
 def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, salt: int = 0, *,
               a2: torch.Tensor | None = None, salt2: int = 0,
               block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
@@ -615,9 +636,7 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
     p16, inv_keep = _lora_p16(p)
     launch = _lora_down_launch(k)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
-    splits = min(splits or launch["splits"], triton.cdiv(k, block_k))
-    columns_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # whole tiles: masks start at 8s
-    splits = triton.cdiv(k, columns_per_split)
+    splits, columns_per_split = _column_splits(k, block_k, splits or launch["splits"])
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     partial = out if splits == 1 else torch.empty((splits, rows, width), dtype=torch.float32, device=x.device)
     _lora_down_kernel[(triton.cdiv(rows, block_m), splits)](
@@ -672,11 +691,8 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     grad_x = grad_in if grad_in is not None or not input_grad else torch.empty_like(x)
     column_blocks = triton.cdiv(k, block_k)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2
-    per_sm = programs_per_sm or launch["programs_per_sm"]
-    splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(per_sm * sms, column_blocks)))
-    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
-    splits = triton.cdiv(rows, rows_per_split)
+    splits, rows_per_split = _row_splits(rows, block_m, column_blocks,
+                                         (programs_per_sm or launch["programs_per_sm"]) * _sm_count(x))
     partial = torch.empty((pair * splits, r, k), dtype=torch.float32, device=x.device)  # a2's after a's
     _lora_down_backward_kernel[(column_blocks, splits)](
         x, gate if gate is not None else x, a, a2 if a2 is not None else a, grad_after_a,
@@ -879,11 +895,8 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
     launch = _swiglu_lora_forward_launch(k)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     if splits is None:  # enough programs to fill the GPU (launch's programs_per_sm), whatever the row count
-        sms = torch.cuda.get_device_properties(gate.device).multi_processor_count if gate.is_cuda else 2
-        splits = triton.cdiv(launch["programs_per_sm"] * sms, triton.cdiv(rows, block_m))
-    splits = max(1, min(splits, triton.cdiv(k, block_k)))
-    columns_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k  # whole tiles: masks start at 8s
-    splits = triton.cdiv(k, columns_per_split)
+        splits = triton.cdiv(launch["programs_per_sm"] * _sm_count(gate), triton.cdiv(rows, block_m))
+    splits, columns_per_split = _column_splits(k, block_k, splits)
     out = torch.empty_like(gate)
     after_proj_a = torch.empty((rows, r), dtype=gate.dtype, device=gate.device)
     partial = after_proj_a if splits == 1 else torch.empty((splits, rows, r), dtype=torch.float32, device=gate.device)
@@ -931,11 +944,8 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
     launch = _swiglu_lora_backward_launch(k)
     block_m, block_k = block_m or launch["block_m"], block_k or launch["block_k"]
     column_blocks = triton.cdiv(k, block_k)
-    sms = torch.cuda.get_device_properties(gate.device).multi_processor_count if gate.is_cuda else 2
-    per_sm = programs_per_sm or launch["programs_per_sm"]
-    splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(per_sm * sms, column_blocks)))
-    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
-    splits = triton.cdiv(rows, rows_per_split)
+    splits, rows_per_split = _row_splits(rows, block_m, column_blocks,
+                                         (programs_per_sm or launch["programs_per_sm"]) * _sm_count(gate))
     b_grads = launch["b_grads"] if b_grads is None else b_grads
     grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
     partial = torch.empty((3 if b_grads else 1, splits, r * k), dtype=torch.float32, device=gate.device)

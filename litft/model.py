@@ -704,6 +704,13 @@ class SeededDropout(torch.autograd.Function):
         return kernels.dropout(grad, ctx.p, seed), None
 
 
+def zero_grads_if_missing(*params: torch.Tensor) -> None:
+    """A zero .grad for each parameter that has none yet: the adapter kernels and matmuls add into .grad."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
 def _frozen_input_grad(linear: torch.nn.Module, grad: torch.Tensor,
                        into: torch.Tensor | None = None) -> torch.Tensor:
     """grad @ W for a frozen base layer: nn.Linear's weight, or bitsandbytes' 4-bit weight dequantized as its own
@@ -755,8 +762,7 @@ class FusedLoRA(torch.autograd.Function):
         grad = grad.contiguous()
         grad_after_a = _low_rank_b_backward(grad, after_a, lora_b, scale, ctx.parts)
         input_grad = ctx.needs_input_grad[0]
-        if lora_a.grad is None:
-            lora_a.grad = torch.zeros_like(lora_a)
+        zero_grads_if_missing(lora_a)
         grad_x, _ = kernels.lora_down_backward(
             x, lora_a, grad_after_a, ctx.p, seed, _frozen_input_grad(ctx.linear, grad) if input_grad else None,
             input_grad=input_grad, grad_a=lora_a.grad, salt=ctx.salt, gate=gate)
@@ -768,8 +774,7 @@ def _low_rank_b_backward(grad: torch.Tensor, after_a: torch.Tensor, lora_b: torc
     """B's half of a LoRA layer's backward pass (LowRankUpdate, FusedLoRA, FusedLoRAPair): B's gradient added into
     .grad by its matmuls, and the gradient with respect to the r-wide A output, returned (written into ``out``, a
     tensor of after_a's shape, if given)."""
-    if lora_b.grad is None:
-        lora_b.grad = torch.zeros_like(lora_b)
+    zero_grads_if_missing(lora_b)
     grad_after_a = torch.empty_like(after_a) if out is None else out
     for columns, b_rows, a_columns in parts:
         block = grad[:, columns]
@@ -817,9 +822,7 @@ class FusedLoRAPair(torch.autograd.Function):
                              out=grad_after_a[:, :r])
         _low_rank_b_backward(grad_up, after_a[:, r:], lora_b2, second.scaling, lora_parts(second),
                              out=grad_after_a[:, r:])
-        for a in (lora_a, lora_a2):
-            if a.grad is None:
-                a.grad = torch.zeros_like(a)
+        zero_grads_if_missing(lora_a, lora_a2)
         input_grad = ctx.needs_input_grad[0]
         frozen = (_frozen_input_grad(second.linear, grad_up, into=_frozen_input_grad(first.linear, grad_gate))
                   if input_grad else None)
@@ -892,11 +895,8 @@ class FusedLoRAMLP(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, gate, up, after_a, after_proj_a, seed = ctx.saved_tensors
         fc_1, fc_2, proj = ctx.mlp.fc_1, ctx.mlp.fc_2, ctx.mlp.proj
-        adapters = ctx.adapters
-        for matrix in adapters:
-            if matrix.grad is None:
-                matrix.grad = torch.zeros_like(matrix)
-        lora_a1, lora_b1, lora_a2, lora_b2, lora_a3, lora_b3 = adapters
+        lora_a1, lora_b1, lora_a2, lora_b2, lora_a3, lora_b3 = ctx.adapters
+        zero_grads_if_missing(*ctx.adapters)
         grad = grad.contiguous()
         grad_after_proj_a = _low_rank_b_backward(grad, after_proj_a, lora_b3, proj.scaling, lora_parts(proj))
         grad_gate, grad_up = kernels.swiglu_lora_backward(
