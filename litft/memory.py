@@ -181,10 +181,11 @@ def _optimizer_state_bytes(recipe: Recipe, trainable: list[torch.Tensor], param_
 # ----------------------------------------------------------------------------------------------------------------------
 
 _TRACE_CACHE: dict[tuple, int] = {}
-_TRACE_VERSION = 5  # part of the cache key: bumped when the trace itself changes, so older results are not reused
+_TRACE_VERSION = 6  # part of the cache key: bumped when the trace itself changes, so older results are not reused
 # (2: the block's input in the parameters' dtype, autocast in the compute dtype: -mixed keeps fp32 norm inputs;
 # 3: with Triton kernels, v out of the qkv output as its own tensor, as model.RopeQKV gives it;
-# 4: LoRA layers as model.FusedLoRA keeps them; 5: the MLP's LoRA proj keeps SwiGLU's inputs, not its own)
+# 4: LoRA layers as model.FusedLoRA keeps them; 5: the MLP's LoRA proj keeps SwiGLU's inputs, not its own;
+# 6: dropout-0 adapters fused too, their `lambda x: x` made an nn.Identity)
 
 
 def assumes_compiled(recipe: Recipe, compiled: bool | None) -> bool:

@@ -1097,6 +1097,15 @@ def rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), rms_norm_weight(self), self.eps)
 
 
+def _is_identity_function(dropout) -> bool:
+    """A LoRA layer's dropout that is a plain function returning its input (LitGPT's ``lambda x: x`` for dropout
+    0), not a module."""
+    if isinstance(dropout, torch.nn.Module) or not callable(dropout):
+        return False
+    probe = torch.empty(0)
+    return dropout(probe) is probe
+
+
 def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True, attention: bool = True,
                     swiglu: bool = True, mixed_linear: bool = False, grad_into_weights: bool = False,
                     triton_kernels: bool = False) -> None:
@@ -1120,6 +1129,10 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
         if lora and isinstance(module, (LoRAQKVLinear, LoRALinear)):
             module.lora_seeds, module.lora_salt = seeds, lora_layers
             lora_layers += 1
+            if _is_identity_function(module.lora_dropout):
+                # LitGPT gives a dropout-0 adapter `lambda x: x`, which the fused paths cannot tell from any other
+                # function; as an nn.Identity (no parameters or state) it runs them as a dropout of 0 (no mask drawn)
+                module.lora_dropout = torch.nn.Identity()
         if swiglu and type(module).__name__ == "LLaMAMLP" and isinstance(module, LLaMAMLP):  # not its subclasses
             module.forward = types.MethodType(mlp_forward, module)
             module.triton_kernels = triton_kernels

@@ -254,6 +254,52 @@ def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, 
         torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-5)
 
 
+def test_dropout_0_adapters_take_the_fused_path_and_the_ledger_counts_it(tiny_recipe, monkeypatch):
+    """LitGPT gives a dropout-0 adapter `lambda x: x`; use_fast_layers makes it an nn.Identity, so that the layer
+    runs as FusedLoRA (no mask drawn) rather than LowRankUpdate: the same output and gradients as LitGPT's layer. A
+    dropout above 0 stays LitGPT's nn.Dropout. The ledger traces that dispatch: the same activation bytes as at
+    dropout 0.05 (FusedLoRA keeps the same tensors whatever p), where the unfused path kept more."""
+    from litft import model
+    from litft.memory import activation_bytes_per_token_layer
+
+    reference = _lora_gpt(tiny_recipe, ["q", "v", "mlp"], dropout=0.0)
+    attn = reference.transformer.h[0].attn.qkv
+    assert not isinstance(attn.lora_dropout, torch.nn.Module)  # LitGPT's lambda
+    torch.nn.init.normal_(attn.lora_B, std=0.1)
+    fast = copy.deepcopy(reference)
+    use_fast_layers(fast, grad_into_weights=True, triton_kernels=True)
+    fast_attn = fast.transformer.h[0].attn.qkv
+    assert isinstance(fast_attn.lora_dropout, torch.nn.Identity)
+    assert not any(isinstance(m.lora_dropout, torch.nn.Dropout) for m in fast.modules() if hasattr(m, "lora_dropout"))
+    monkeypatch.setattr(model.kernels, "available", lambda x: True)
+    calls = []
+    real_apply = model.FusedLoRA.apply
+    monkeypatch.setattr(model.FusedLoRA, "apply", lambda *args: calls.append(args) or real_apply(*args))
+    assert model._fused_lora_applies(fast_attn, torch.zeros(3, 2, dtype=torch.bfloat16))
+    x = torch.randn(2, 7, attn.linear.in_features, requires_grad=True)
+    x_fast = x.detach().clone().requires_grad_(True)
+    weights = torch.linspace(-1, 1, attn.linear.out_features)
+    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
+    out = fast_attn(x_fast)
+    assert len(calls) == 1 and calls[0][5] == 0.0  # FusedLoRA, dropout probability 0
+    (out * weights).square().sum().backward()
+    wanted = attn(x)
+    (wanted * weights).square().sum().backward()
+    torch.testing.assert_close(out, wanted, rtol=1e-5, atol=1e-5)
+    for got, expected in ((x_fast.grad, x.grad), (fast_attn.lora_A.grad, attn.lora_A.grad),
+                          (fast_attn.lora_B.grad, attn.lora_B.grad)):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert isinstance(_lora_gpt(tiny_recipe, ["q"], dropout=0.1).transformer.h[0].attn.qkv.lora_dropout,
+                      torch.nn.Dropout)
+    monkeypatch.undo()
+
+    def ledger(dropout):
+        recipe = tiny_recipe(method="lora", precision="bf16-true", lora={"dropout": dropout})
+        return activation_bytes_per_token_layer(recipe, model.model_config(recipe), compiled=False)
+
+    assert ledger(0.0) == ledger(0.05)
+
+
 @pytest.mark.parametrize("base", ["linear", "nf4"])
 def test_fused_lora_pair_is_two_fused_lora_layers_and_their_input_gradients_summed(base):
     """model.FusedLoRAPair (fc_1 and fc_2 over one input, their A sides in one kernel each way) gives what two
