@@ -569,6 +569,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("lora-before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
         ("lora", "tiny-llama-lora", GPU + steps(60)),
     ],
+    # Dropout-0 LoRA adapters on the fused path (session 19: LitGPT's `lambda x: x` made an nn.Identity) beside the
+    # code before (cf861f6, out/prev: those layers ran LowRankUpdate), twice each way; the shipped recipe (dropout
+    # 0.05) on this code for the mask's cost; and a profile of the dropout-0 fused step.
+    "s19-dropout": [
+        ("p0-before", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"], PREVIOUS),
+        ("p0", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"]),
+        ("p005", "tiny-llama-lora", GPU + steps(60)),
+        ("p0-before-again", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"], PREVIOUS),
+        ("p0-again", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"]),
+        ("p0-profile", "tiny-llama-lora", GPU + steps(30) + ["--lora.dropout", "0", "--logging.profile", "20-21"]),
+        ("p005-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
