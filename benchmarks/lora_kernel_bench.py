@@ -2,9 +2,9 @@
 kernels.lora_down_backward, the dropout drawn inside) against what LowRankUpdate after SeededDropout runs for the same
 work (the dropout kernel, cuBLAS matmuls, and autograd's add of the adapter's input gradient to the frozen layer's),
 over a few launch configurations (lora_down's columns split over 1-8 programs per row block among them), then the
-fastest launch of each direction with 0, 7 and 10 Philox rounds (0: no random numbers drawn at all, a bound on what
-a cheaper generator could save), and the bandwidth floor of each shape. Times from triton.testing.do_bench (median
-of repeated runs, ms; it clears the L2 cache before each run, so these are cold-cache times).
+fastest launch of each direction at p = 0 (no mask drawn: the mask's share of each kernel), and the bandwidth floor of
+each shape. Times from triton.testing.do_bench (median of repeated runs, ms; it clears the L2 cache before each run,
+so these are cold-cache times).
 
     python benchmarks/lora_kernel_bench.py --out lora-kernels.md
 
@@ -27,6 +27,7 @@ SHAPES = [("qkv", 2048, 96, 22), ("proj/fc/head", 2048, 32, 67), ("mlp proj", 56
 
 
 def main() -> int:
+    global P  # the mask's share below times the fastest launches again at P = 0
     from triton.testing import do_bench
 
     from litft import kernels
@@ -84,23 +85,21 @@ def main() -> int:
                     key = (rows, f"{name} {part}")
                     if key not in best or value < best[key][0]:
                         best[key] = (value, label, fn)
-        # the random numbers' share: the fastest launch of each direction with fewer Philox rounds (0: none at all,
-        # the counters themselves, a bound on what any cheaper generator could save)
-        default_rounds = kernels.LORA_PHILOX_ROUNDS
+        # the mask's share: the fastest launch of each direction at p = 0 (the kernels then draw no mask at all)
         for part in ("backward", "forward"):
             _, label, fn = best[(rows, f"{name} {part}")]
-            for rounds in (0, 7, default_rounds):
-                kernels.LORA_PHILOX_ROUNDS = rounds
+            for p in (0.0, P):
+                drawn, P = P, p  # the launches read P when called
                 try:
                     value = do_bench(fn, warmup=10, rep=50)
                 finally:
-                    kernels.LORA_PHILOX_ROUNDS = default_rounds
-                rounds_lines.append(f"| {rows} | {name} ({k}, {r}) | {part}: {label} | {rounds} | {value:.4f} |")
+                    P = drawn
+                rounds_lines.append(f"| {rows} | {name} ({k}, {r}) | {part}: {label} | {p} | {value:.4f} |")
         # bytes a pass must move at least: forward reads x; backward reads x and grad_in and writes grad_x
         floor_lines.append(f"| {rows} | {name} ({k}, {r}) | {x.numel() * 2 / 3.35e9:.4f} |"
                            f" {3 * x.numel() * 2 / 3.35e9:.4f} |")
-    lines += ["", "Philox rounds (the fastest launch of each direction per shape; ms):", "",
-              "| M | shape (K, R) | launch | rounds | ms |", "|---|---|---|---|---|"] + rounds_lines
+    lines += ["", "The mask's share (the fastest launch of each direction per shape, without and with dropout; ms):", "",
+              "| M | shape (K, R) | launch | p | ms |", "|---|---|---|---|---|"] + rounds_lines
     lines += ["", "The bandwidth floor at 3.35 TB/s (ms): forward reads x; backward reads x and grad_in, writes grad_x",
               "",
               "| M | shape (K, R) | forward | backward |", "|---|---|---|---|"] + floor_lines

@@ -32,6 +32,7 @@ PLAIN = ["--train.cuda_graphs", "never", "--train.compile", "never"]  # eager, l
 # A run of session 11's code: its litft/ and recipes/ folders at out/prev (see the set s12-tiny), instead of this
 # checkout on the path (PYTHONSAFEPATH: python -m puts no working directory first); the carried wheels stay first.
 PREVIOUS = {"PYTHONPATH": "/tmp/site:out/prev", "PYTHONSAFEPATH": "1"}  # safe path: no cwd first on sys.path
+VARIANT = {"PYTHONPATH": "/tmp/site:out/variant", "PYTHONSAFEPATH": "1"}  # a third version of the code, for an A/B/C
 
 
 # A run of an altered copy of this checkout at out/ab (see the set dropout-ab), the same way.
@@ -580,6 +581,17 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("p0-again", "tiny-llama-lora", GPU + steps(60) + ["--lora.dropout", "0"]),
         ("p0-profile", "tiny-llama-lora", GPU + steps(30) + ["--lora.dropout", "0", "--logging.profile", "20-21"]),
         ("p005-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
+    # The LoRA dropout masks from a hash (this code) against Philox with 10 rounds (3fcf490, out/prev) and with 7
+    # (3fcf490 with LORA_PHILOX_ROUNDS = 7, out/variant), the shipped recipe (dropout 0.05), twice each, interleaved.
+    "s19-mask": [
+        ("philox10", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("hash", "tiny-llama-lora", GPU + steps(60)),
+        ("philox7", "tiny-llama-lora", GPU + steps(60), VARIANT),
+        ("philox10-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("hash-again", "tiny-llama-lora", GPU + steps(60)),
+        ("philox7-again", "tiny-llama-lora", GPU + steps(60), VARIANT),
+        ("hash-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [

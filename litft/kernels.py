@@ -390,16 +390,19 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
 
 # The dropout mask of a LoRA layer's input x (rows, K) is a function of the seed and each element's place, the same
 # in the forward kernel and the backward kernel whatever their tiles: element (row, col) is kept when its 16-bit
-# uniform is at least p16 = round(p x 65,536), the uniform being one of the 8 halves of the 4 words of the Philox call
-# (randint4x) with counter row x ceil(K / 64) x 8 + col // 8 (which half: col % 8, in the order _lora_keep joins
-# them). One Philox call per 8 elements: a quarter of the random-number work of one 32-bit uniform per element, which
-# the kernels do twice (forward, and again in the backward pass). The kept probability is 1 - p16 / 65,536 (p = 0.05:
-# 0.9499970), and the kept elements are scaled by its inverse, so the expectation is x's.
+# uniform is at least p16 = round(p x 65,536). The uniforms come two to a 32-bit word: word row x ceil(K / 64) x 32
+# + col // 2, XORed with a 32-bit key of seed + salt, through _mix32 (low half: the even column, high half: the odd
+# one). The kept probability is 1 - p16 / 65,536 (p = 0.05: 0.9499970), and the kept elements are scaled by its
+# inverse, so the expectation is x's.
+# Why a hash and not Philox: the kernels draw every mask twice (forward, and again backward), and on the H100 the
+# draws were 6% of a TinyLlama LoRA step (50.2 ms at dropout 0.05 against 47.3 ms at 0, no mask drawn; profiles in
+# benchmarks/results/s19-dropout). Philox-4x32 with 10 rounds (Triton's randint4x) costs ~100 integer operations per
+# call for 8 halves, ~12 per element plus the shuffles that interleave its 4 words; _mix32 costs 8 per word, 4 per
+# element, and one interleave. A dropout mask needs independent-looking bits, not Philox's statistical margin;
+# tests/test_kernels.py checks the kept fraction and the independence of neighbouring elements and of salts.
 # Triton 3.6-3.9 failed to compile (an assertion in ConvertTritonGPUToLLVM, sm_90) a first version that read x in
 # 16-column tiles, once x's row stride is known to be a multiple of 16; these read tiles of 64 columns or more.
 _LORA_P_BITS = 16
-# Philox rounds per call (Triton's default, and cuRAND's, is 10): the forward and backward kernels must draw alike
-LORA_PHILOX_ROUNDS = 10
 
 
 def _lora_p16(p: float) -> tuple[int, float]:
@@ -413,25 +416,35 @@ def _lora_p16(p: float) -> tuple[int, float]:
 if triton is not None:
 
     @triton.jit
-    def _lora_keep(seed, rows, first_column, row_counters, p16, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr,
-                   DROPOUT: tl.constexpr):
-        # the (BLOCK_M, BLOCK_K) keep mask of columns first_column ... + BLOCK_K (first_column a multiple of 8);
-        # without DROPOUT (p = 0) all true, and no random numbers drawn: the compiler drops the mask's selects
+    def _mix32(x):
+        # a bijection of 32-bit words in which every output bit depends on every input bit: two xorshift-multiply
+        # rounds and a final xorshift (the "lowbias32" constants of Chris Wellons' hash-prospector search)
+        x = (x ^ (x >> 16)) * 0x7FEB352D
+        x = (x ^ (x >> 15)) * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _lora_key(seed):
+        # the 32-bit key of a mask: seed (int64: the forward pass's seed + the layer's salt) hashed, both halves
+        return _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ _mix32((seed >> 32).to(tl.uint32)))
+
+    @triton.jit
+    def _lora_keep(key, rows, first_column, row_words, p16, BLOCK_K: tl.constexpr, DROPOUT: tl.constexpr):
+        # the (BLOCK_M, BLOCK_K) keep mask of columns first_column ... + BLOCK_K (first_column even) under key
+        # (_lora_key); without DROPOUT (p = 0) all true, and no random numbers drawn: the compiler drops the selects
         keep = tl.full((rows.shape[0], BLOCK_K), 1, tl.int1)
         if DROPOUT:
-            counters = rows[:, None] * row_counters + first_column // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
-            w0, w1, w2, w3 = tl.randint4x(seed, counters, ROUNDS)
-            halves = tl.join(
-                tl.join(tl.join(w0 & 0xFFFF, (w0 >> 16) & 0xFFFF), tl.join(w1 & 0xFFFF, (w1 >> 16) & 0xFFFF)),
-                tl.join(tl.join(w2 & 0xFFFF, (w2 >> 16) & 0xFFFF), tl.join(w3 & 0xFFFF, (w3 >> 16) & 0xFFFF)))
-            keep = tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16  # (BLOCK_M, BLOCK_K // 8, 2, 2, 2) flattened
+            words = (rows[:, None] * row_words + first_column // 2 + tl.arange(0, BLOCK_K // 2)[None, :]).to(tl.uint32)
+            uniforms = _mix32(words ^ key)
+            halves = tl.join(uniforms & 0xFFFF, uniforms >> 16)  # (BLOCK_M, BLOCK_K // 2, 2): even, odd column
+            keep = tl.reshape(halves, (rows.shape[0], BLOCK_K)) >= p16
         return keep
 
     @triton.jit(do_not_specialize=["M", "salt", "salt2"])
     def _lora_down_kernel(x_ptr, a_ptr, a2_ptr, out_ptr, seed_ptr, salt, salt2, M, K, R, stride_x, stride_a,
                           stride_out, stride_split, columns_per_split, p16, inv_keep,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                          PRECISION: tl.constexpr, ROUNDS: tl.constexpr, PAIR: tl.constexpr,
+                          PRECISION: tl.constexpr, PAIR: tl.constexpr,
                           DROPOUT: tl.constexpr):
         # program (row block, column split): out[split, rows] = dropout(x[rows, split's columns]) @ a[:, those]^T, the
         # mask applied as x is read. One split: out is the result; more: fp32 partial sums, which
@@ -441,7 +454,8 @@ if triton is not None:
         split = tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
         seed = tl.load(seed_ptr)
-        row_counters = tl.cdiv(K, 64) * 8
+        key, key2 = _lora_key(seed + salt), _lora_key(seed + salt2)  # this layer's mask, and the pair's
+        row_words = tl.cdiv(K, 64) * 32
         dtype = x_ptr.dtype.element_ty
         first = split * columns_per_split
         stop = tl.minimum(first + columns_per_split, K)
@@ -453,12 +467,12 @@ if triton is not None:
                         mask=(rows[:, None] < M) & (columns[None, :] < stop), other=0.0)
             at_a = r[None, :] * stride_a + columns[:, None]
             in_a = (r[None, :] < R) & (columns[:, None] < stop)
-            keep = _lora_keep(seed + salt, rows, start, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+            keep = _lora_keep(key, rows, start, row_words, p16, BLOCK_K, DROPOUT)
             kept = tl.where(keep, x, 0.0)
             acc += tl.dot(kept.to(dtype), tl.load(a_ptr + at_a, mask=in_a, other=0.0).to(dtype),
                           input_precision=PRECISION)
             if PAIR:
-                keep2 = _lora_keep(seed + salt2, rows, start, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+                keep2 = _lora_keep(key2, rows, start, row_words, p16, BLOCK_K, DROPOUT)
                 kept = tl.where(keep2, x, 0.0)
                 acc2 += tl.dot(kept.to(dtype), tl.load(a2_ptr + at_a, mask=in_a, other=0.0).to(dtype),
                                input_precision=PRECISION)
@@ -474,7 +488,7 @@ if triton is not None:
                                    rows_per_split, p16, inv_keep,
                                    HAS_GRAD_IN: tl.constexpr, WRITE_GRAD_X: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                                   ROUNDS: tl.constexpr, SWIGLU: tl.constexpr, PAIR: tl.constexpr,
+                                   SWIGLU: tl.constexpr, PAIR: tl.constexpr,
                                    DROPOUT: tl.constexpr):
         # program (column block, split): BLOCK_K columns over one split's rows. Per (BLOCK_M, BLOCK_K) tile of x:
         # acc (BLOCK_R, BLOCK_K) += g^T @ keep(x), and grad_x = grad_in + keep(g @ a) / (1 - p). At the end the
@@ -483,7 +497,8 @@ if triton is not None:
         # share of grad_x added before the one write, its partial sums after all splits' of the first.
         split = tl.program_id(1)
         seed = tl.load(seed_ptr)
-        row_counters = tl.cdiv(K, 64) * 8
+        key, key2 = _lora_key(seed + salt), _lora_key(seed + salt2)  # this layer's mask, and the pair's
+        row_words = tl.cdiv(K, 64) * 32
         dtype = x_ptr.dtype.element_ty
         first = tl.program_id(0) * BLOCK_K
         columns = first + tl.arange(0, BLOCK_K)
@@ -500,7 +515,7 @@ if triton is not None:
         for row in range(start, stop, BLOCK_M):
             rows = row + tl.arange(0, BLOCK_M)
             inside = (rows[:, None] < stop) & (columns[None, :] < K)
-            keep = _lora_keep(seed + salt, rows, first, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+            keep = _lora_keep(key, rows, first, row_words, p16, BLOCK_K, DROPOUT)
             at_g = g_ptr + rows[:, None].to(tl.int64) * stride_g + r[None, :]
             in_g = (rows[:, None] < stop) & (r[None, :] < R)
             g = tl.load(at_g, mask=in_g, other=0.0).to(dtype)
@@ -514,7 +529,7 @@ if triton is not None:
             if WRITE_GRAD_X:
                 grad_x = tl.where(keep, tl.dot(g, a, input_precision=PRECISION) * inv_keep, 0.0)
             if PAIR:
-                keep2 = _lora_keep(seed + salt2, rows, first, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+                keep2 = _lora_keep(key2, rows, first, row_words, p16, BLOCK_K, DROPOUT)
                 g2 = tl.load(at_g + R, mask=in_g, other=0.0).to(dtype)
                 acc2 += tl.dot(tl.trans(g2), tl.where(keep2, x, 0.0).to(dtype), input_precision=PRECISION)
                 if WRITE_GRAD_X:
@@ -555,8 +570,8 @@ def _lora_precision(x: torch.Tensor) -> str:
 
 
 def _lora_check_counters(rows: int, k: int) -> None:
-    if rows * triton.cdiv(k, 64) * 8 >= 2**31:  # Philox counters are 32-bit here
-        raise ValueError(f"LoRA dropout kernels: {rows:,} x {k:,} elements, over 2^34")
+    if rows * triton.cdiv(k, 64) * 32 >= 2**31:  # the masks' word numbers are 32-bit (int32 before the key's XOR)
+        raise ValueError(f"LoRA dropout kernels: {rows:,} x {k:,} elements, over 2^32")
 
 
 # Launches of the two kernels, by shape: the fastest of a sweep at TinyLlama's shapes and 2,048 rows on the H100
@@ -570,8 +585,7 @@ def _lora_check_counters(rows: int, k: int) -> None:
 #   backward, R 32, K 2,048:                                  BLOCK_M 32, BLOCK_K 128, 8 warps (33; before: 37)
 #   backward, R 32, K 5,632:                                  BLOCK_M 32, BLOCK_K 64, 4 warps (68; before: 75)
 # ("before": the dropout kernel, cuBLAS and, backward, autograd's add of the input gradients.) The backward pass
-# runs about 2 programs per SM (column blocks x row splits). Fewer Philox rounds (7, or none) did not measurably
-# shorten either kernel in lora-kernels-s15.md: the random numbers are not what bounds them.
+# runs about 2 programs per SM (column blocks x row splits). These sweeps drew the masks from Philox (see above).
 
 
 def _lora_down_launch(k: int) -> dict:
@@ -614,7 +628,7 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
               block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
               splits: int | None = None) -> torch.Tensor:
     """dropout(x) @ a^T for x (rows, K) and a LoRA A matrix a (R, K), in one pass over x: the mask (drop with
-    probability p, keep scaled by 1 / (1 - p); see _lora_p16) is drawn from Philox numbers of ``seed`` + ``salt``
+    probability p, keep scaled by 1 / (1 - p); see _lora_p16) is drawn from hashed numbers of ``seed`` + ``salt``
     (``seed``: a 1-element int64 tensor, read on the device; ``salt``: an int, so that layers sharing one seed draw
     different masks) as x is read, and neither it nor the dropped x is written. lora_down_backward
     draws the same mask. Accumulates in fp32; returns (rows, R) in x's dtype. With ``splits`` > 1 the columns are
@@ -642,9 +656,8 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
     _lora_down_kernel[(triton.cdiv(rows, block_m), splits)](
         x, a, a2 if a2 is not None else a, partial, seed, salt, salt2, rows, k, r, x.stride(0), a.stride(0), width,
         rows * width, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), ROUNDS=LORA_PHILOX_ROUNDS,
-        DROPOUT=p16 > 0,
-        PAIR=a2 is not None, num_warps=num_warps or launch["num_warps"])
+        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), DROPOUT=p16 > 0, PAIR=a2 is not None,
+        num_warps=num_warps or launch["num_warps"])
     if splits > 1:
         _add_partials_kernel[(triton.cdiv(rows * width, _PARTIALS_BLOCK),)](partial, out, rows * width, splits,
                                                                              BLOCK=_PARTIALS_BLOCK, ACCUMULATE=False,
@@ -699,9 +712,8 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
         grad_in if grad_in is not None else x, grad_x if grad_x is not None else x, partial, seed, salt, salt2, rows,
         k, r, x.stride(0), a.stride(0), grad_after_a.stride(0), grad_x.stride(0) if grad_x is not None else x.stride(0),
         rows_per_split, p16, inv_keep, HAS_GRAD_IN=grad_in is not None, WRITE_GRAD_X=input_grad, BLOCK_M=block_m,
-        BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x),
-        ROUNDS=LORA_PHILOX_ROUNDS, DROPOUT=p16 > 0, SWIGLU=gate is not None, PAIR=a2 is not None,
-        num_warps=num_warps or launch["num_warps"])
+        BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), DROPOUT=p16 > 0,
+        SWIGLU=gate is not None, PAIR=a2 is not None, num_warps=num_warps or launch["num_warps"])
     grad_x = grad_x if input_grad else None
     if a2 is not None:
         _add_partials_kernel[(triton.cdiv(r * k, _PARTIALS_BLOCK),)](partial[splits:], grad_a2, r * k, splits,
@@ -746,7 +758,7 @@ if triton is not None:
     def _swiglu_lora_forward_kernel(gate_ptr, up_ptr, h_ptr, b1_ptr, b2_ptr, a_ptr, out_ptr, hp_ptr, seed_ptr, salt,
                                     scale1, scale2, M, K, R, stride_h, stride_hp, stride_split, columns_per_split, p16,
                                     inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                                    PRECISION: tl.constexpr, ROUNDS: tl.constexpr, DROPOUT: tl.constexpr):
+                                    PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # program (row block, column split), over the split's column tiles of (M, K) gate and up:
         #   gate = gate + s1 h1 b1^T, up = up + s2 h2 b2^T (h1, h2: the r-wide A outputs of fc_1 and fc_2, h's two
         #   halves; b1, b2: their B, (K, R)); out = silu(gate) * up, written; hp[split, rows] += dropout(out) @ a^T
@@ -755,8 +767,8 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
-        seed = tl.load(seed_ptr)
-        row_counters = tl.cdiv(K, 64) * 8
+        key = _lora_key(tl.load(seed_ptr) + salt)
+        row_words = tl.cdiv(K, 64) * 32
         dtype = gate_ptr.dtype.element_ty
         at_h = h_ptr + rows[:, None].to(tl.int64) * stride_h + r[None, :]
         in_h = (rows[:, None] < M) & (r[None, :] < R)
@@ -777,7 +789,7 @@ if triton is not None:
                                 tl.load(b2_ptr + at_b, mask=in_b, other=0.0).to(dtype), scale2, PRECISION)
             out = (gate * tl.sigmoid(gate) * up).to(dtype)
             tl.store(out_ptr + at, out, mask=inside)
-            keep = _lora_keep(seed + salt, rows, start, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+            keep = _lora_keep(key, rows, start, row_words, p16, BLOCK_K, DROPOUT)
             kept = tl.where(keep, out, 0.0)
             acc += tl.dot(kept.to(dtype), tl.load(a_ptr + r[None, :] * K + columns[:, None],
                                                   mask=(r[None, :] < R) & (columns[:, None] < stop),
@@ -790,7 +802,7 @@ if triton is not None:
                                      grad_up_ptr, partial_ptr, seed_ptr, salt, scale1, scale2, M, K, R, stride_h,
                                      stride_gp, rows_per_split, p16, inv_keep, BLOCK_M: tl.constexpr,
                                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                                     ROUNDS: tl.constexpr, B_GRADS: tl.constexpr, DROPOUT: tl.constexpr):
+                                     B_GRADS: tl.constexpr, DROPOUT: tl.constexpr):
         # program (column block, row split), over the split's row tiles: gate, up and out rebuilt as the forward
         # kernel made them; grad_out = grad (the frozen proj's input gradient) + dropout'(gp @ a) (gp: the gradient
         # of proj's r-wide A output); gate's and up's gradients written; and, in fp32 over the split's rows, the
@@ -798,8 +810,8 @@ if triton is not None:
         # s grad_gate^T h1 and s grad_up^T h2 (K, R) after it: partial[0] a's, [1] b1's, [2] b2's, per split
         # (without B_GRADS the B gradients are left to the caller: fewer registers per program).
         split = tl.program_id(1)
-        seed = tl.load(seed_ptr)
-        row_counters = tl.cdiv(K, 64) * 8
+        key = _lora_key(tl.load(seed_ptr) + salt)
+        row_words = tl.cdiv(K, 64) * 32
         dtype = gate_ptr.dtype.element_ty
         first = tl.program_id(0) * BLOCK_K
         columns = first + tl.arange(0, BLOCK_K)
@@ -827,7 +839,7 @@ if triton is not None:
             up = _with_low_rank(tl.load(up_ptr + at, mask=inside, other=0.0), h2, b2_t, scale2, PRECISION)
             sigmoid = tl.sigmoid(gate)
             silu = gate * sigmoid
-            keep = _lora_keep(seed + salt, rows, first, row_counters, p16, BLOCK_K, ROUNDS, DROPOUT)
+            keep = _lora_keep(key, rows, first, row_words, p16, BLOCK_K, DROPOUT)
             acc_a += tl.dot(tl.trans(gp), tl.where(keep, (silu * up).to(dtype), 0.0).to(dtype),
                             input_precision=PRECISION)
             grad_out = tl.load(grad_ptr + at, mask=inside, other=0.0).to(tl.float32) + tl.where(
@@ -903,8 +915,7 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
     _swiglu_lora_forward_kernel[(triton.cdiv(rows, block_m), splits)](
         gate, up, after_a, b1, b2, a, out, partial, seed, salt, scale1, scale2, rows, k, r, after_a.stride(0), r,
         rows * r, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate), ROUNDS=LORA_PHILOX_ROUNDS,
-        DROPOUT=p16 > 0,
+        BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate), DROPOUT=p16 > 0,
         num_warps=num_warps or launch["num_warps"], **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         _add_partials_kernel[(triton.cdiv(rows * r, _PARTIALS_BLOCK),)](partial, after_proj_a, rows * r, splits,
@@ -953,7 +964,7 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
         grad, gate, up, after_a, b1, b2, a, grad_after_proj_a, grad_gate, grad_up, partial, seed, salt, scale1,
         scale2, rows, k, r, after_a.stride(0), grad_after_proj_a.stride(0), rows_per_split, p16, inv_keep,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate),
-        ROUNDS=LORA_PHILOX_ROUNDS, DROPOUT=p16 > 0, B_GRADS=b_grads, num_warps=num_warps or launch["num_warps"],
+        DROPOUT=p16 > 0, B_GRADS=b_grads, num_warps=num_warps or launch["num_warps"],
         **({} if num_stages is None else {"num_stages": num_stages}))
     if not b_grads:
         grad_b1.addmm_(grad_gate.t(), after_a[:, :r], alpha=scale1)

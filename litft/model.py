@@ -918,8 +918,8 @@ class FusedLoRAMLP(torch.autograd.Function):
 class LoRASeeds:
     """One dropout seed per forward pass, shared by a model's FusedLoRA layers (each adds its own salt, its index):
     CausalLM.forward draws it, one small kernel per micro-batch where each layer drew its own (TinyLlama: 111 per
-    micro-batch, ~2 us each). Philox streams of different keys are independent, so seed + salt gives each layer its
-    own mask. A layer called outside CausalLM's training forward (no seed drawn) draws one for itself."""
+    micro-batch, ~2 us each). The kernels hash seed + salt into each mask's key (kernels._lora_key), so each layer
+    gets its own mask. A layer called outside CausalLM's training forward (no seed drawn) draws one for itself."""
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None

@@ -322,6 +322,59 @@ def _lora_mask(rows: int, k: int, p: float, seed: torch.Tensor, device) -> torch
     return grad_x != 0
 
 
+def _mix32_reference(x):
+    """kernels._mix32 in numpy's wrapping uint32 arithmetic."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.uint32)
+    with np.errstate(over="ignore"):  # the products wrap, as uint32 multiplies do on the GPU
+        x = (x ^ (x >> np.uint32(16))) * np.uint32(0x7FEB352D)
+        x = (x ^ (x >> np.uint32(15))) * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def _lora_mask_reference(rows: int, k: int, p: float, seed: int) -> torch.Tensor:
+    """The keep mask as the comment above kernels._LORA_P_BITS specifies it, computed apart from the kernels: word
+    row x ceil(k / 64) x 32 + col // 2, XORed with the key of the seed, hashed; the low 16 bits for the even column,
+    the high 16 for the odd one; kept when at least p16."""
+    import numpy as np
+
+    key = _mix32_reference(np.uint32(seed & 0xFFFFFFFF) ^ _mix32_reference(np.uint32(seed >> 32)))
+    row, col = np.meshgrid(np.arange(rows, dtype=np.int64), np.arange(k, dtype=np.int64), indexing="ij")
+    words = (row * (-(-k // 64) * 32) + col // 2).astype(np.uint32)
+    uniforms = _mix32_reference(words ^ key)
+    halves = np.where(col % 2 == 0, uniforms & np.uint32(0xFFFF), uniforms >> np.uint32(16))
+    return torch.from_numpy(halves >= kernels._lora_p16(p)[0])
+
+
+def test_lora_masks_are_the_specified_hash_and_look_independent():
+    """The LoRA kernels' mask is the documented function of seed and place (checked against a numpy version on a
+    shape with a partial column group), and, over 512 x 2,048 elements, behaves as independent draws: the dropped
+    fraction within 5 standard deviations of p; two neighbours (along a row, down a column), the same element under
+    two salts (two layers of one pass) or two seeds (two passes) dropped together at the rate of independent draws,
+    p^2, within 5 standard deviations."""
+    seed = 2**40 + 987654321
+    mask = _lora_mask(70, 80, 0.25, torch.tensor([seed]), "cpu")
+    assert torch.equal(mask, _lora_mask_reference(70, 80, 0.25, seed))
+    assert torch.equal(_lora_mask(3, 200, 0.05, torch.tensor([seed + 7]), "cpu"),
+                       _lora_mask_reference(3, 200, 0.05, seed + 7))
+
+    p, rows, k = 0.05, 512, 2048
+    dropped = ~_lora_mask_reference(rows, k, p, seed)
+    n = dropped.numel()
+    assert abs(dropped.double().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
+    both_p = p * p
+    pairs = {
+        "along a row": (dropped[:, 1:], dropped[:, :-1]),
+        "down a column": (dropped[1:], dropped[:-1]),
+        "another salt": (dropped, ~_lora_mask_reference(rows, k, p, seed + 1)),
+        "another seed": (dropped, ~_lora_mask_reference(rows, k, p, seed + 2**33)),
+    }
+    for name, (first, second) in pairs.items():
+        together = (first & second).double().mean().item()
+        assert abs(together - both_p) < 5 * (both_p * (1 - both_p) / first.numel()) ** 0.5, (name, together)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_in", ["added-in-place", "new", "no-input-grad"])
 def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
@@ -612,14 +665,14 @@ forward = {"x_ptr": "*bf16", "a_ptr": "*bf16", "a2_ptr": "*bf16", "out_ptr": "*b
            "salt2": "i32", "M": "i32",
            "K": "i32", "R": "i32", "stride_x": "i32", "stride_a": "i32", "stride_out": "i32", "stride_split": "i32",
            "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-           "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "PAIR": "constexpr",
+           "BLOCK_R": "constexpr", "PRECISION": "constexpr", "PAIR": "constexpr",
            "DROPOUT": "constexpr"}
 backward = {"x_ptr": "*bf16", "gate_ptr": "*bf16", "a_ptr": "*bf16", "a2_ptr": "*bf16", "g_ptr": "*bf16",
             "grad_in_ptr": "*bf16", "grad_x_ptr": "*bf16", "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32",
             "salt2": "i32", "M": "i32", "K": "i32", "R": "i32",
             "stride_x": "i32", "stride_a": "i32", "stride_g": "i32", "stride_grad": "i32", "rows_per_split": "i32", "p16": "i32",
             "inv_keep": "fp32", "HAS_GRAD_IN": "constexpr", "WRITE_GRAD_X": "constexpr", "BLOCK_M": "constexpr",
-            "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr",
+            "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr",
             "SWIGLU": "constexpr", "PAIR": "constexpr", "DROPOUT": "constexpr"}
 for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _lora_down*_launch picks
     block_r = max(16, kernels._next_power_of_2(r))
@@ -629,7 +682,7 @@ for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _l
         for pair, dropout in itertools.product(pairs, (True, False)):  # dropout False: p = 0, no mask drawn
             compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
                              {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
-                              "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "PAIR": pair,
+                              "PRECISION": "tf32", "PAIR": pair,
                               "DROPOUT": dropout, "num_warps": launch["num_warps"]})
     launch = kernels._lora_down_backward_launch(k, r)
     variants = [(True, True, False, False), (False, True, False, False), (False, False, False, False),
@@ -640,32 +693,32 @@ for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _l
         compile_for_sm90(kernels._lora_down_backward_kernel, backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                           "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x, "PRECISION": "tf32",
-                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "SWIGLU": swiglu, "PAIR": pair,
+                          "SWIGLU": swiglu, "PAIR": pair,
                           "DROPOUT": has_grad_in, "num_warps": launch["num_warps"]})  # p = 0 runs too
 mlp_forward = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16", "b2_ptr": "*bf16",
                "a_ptr": "*bf16", "out_ptr": "*bf16", "hp_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32",
                "scale1": "fp32", "scale2": "fp32", "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32",
                "stride_hp": "i32", "stride_split": "i32", "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32",
                "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr",
-               "ROUNDS": "constexpr", "DROPOUT": "constexpr"}
+               "DROPOUT": "constexpr"}
 mlp_backward = {"grad_ptr": "*bf16", "gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16",
                 "b2_ptr": "*bf16", "a_ptr": "*bf16", "gp_ptr": "*bf16", "grad_gate_ptr": "*bf16", "grad_up_ptr": "*bf16",
                 "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "scale1": "fp32", "scale2": "fp32",
                 "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32", "stride_gp": "i32", "rows_per_split": "i32",
                 "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                "BLOCK_R": "constexpr", "PRECISION": "constexpr", "ROUNDS": "constexpr", "B_GRADS": "constexpr",
+                "BLOCK_R": "constexpr", "PRECISION": "constexpr", "B_GRADS": "constexpr",
                 "DROPOUT": "constexpr"}
 for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one split)
     launch = kernels._swiglu_lora_forward_launch(k)
     for hp, dropout in (("*bf16", True), ("*fp32", True), ("*fp32", False)):
         compile_for_sm90(kernels._swiglu_lora_forward_kernel, dict(mlp_forward, hp_ptr=hp),
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32, "PRECISION": "tf32",
-                          "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "DROPOUT": dropout, "num_warps": launch["num_warps"]})
+                          "DROPOUT": dropout, "num_warps": launch["num_warps"]})
     launch = kernels._swiglu_lora_backward_launch(k)
     for b_grads in (True, False):
         compile_for_sm90(kernels._swiglu_lora_backward_kernel, mlp_backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32,
-                          "PRECISION": "tf32", "ROUNDS": kernels.LORA_PHILOX_ROUNDS, "B_GRADS": b_grads,
+                          "PRECISION": "tf32", "B_GRADS": b_grads,
                           "DROPOUT": b_grads, "num_warps": launch["num_warps"]})
 for accumulate in (True, False):
     compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
