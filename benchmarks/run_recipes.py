@@ -593,6 +593,15 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("philox7-again", "tiny-llama-lora", GPU + steps(60), VARIANT),
         ("hash-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
+    # fc_1's and fc_2's frozen weights stacked (model.stack_fc_weights: FusedLoRAMLP's one matmul for both each way)
+    # beside the code before (60939fb, out/prev), twice each way, and a profile.
+    "s19-stack": [
+        ("before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("stacked", "tiny-llama-lora", GPU + steps(60)),
+        ("before-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("stacked-again", "tiny-llama-lora", GPU + steps(60)),
+        ("stacked-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

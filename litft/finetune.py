@@ -31,11 +31,12 @@ from litft.model import (
     count_parameters,
     fast_path_problems,
     fuses_residual_norms,
-    use_fast_layers,
     merge_lora_checkpoint,
     model_config,
     settle_4bit_compute_dtype,
+    stack_fc_weights,
     trainable_state_dict,
+    use_fast_layers,
     write_checkpoint_files,
 )
 from litft.progress import Progress, print_summary
@@ -238,6 +239,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length, compiled,
                                              triton_loss, fused_residual_norms))
         settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
+        if triton_layers and grads_in_matmul and recipe.method == "lora" and recipe.train.fast_lora:
+            stack_fc_weights(gpt)  # FusedLoRAMLP: one matmul for fc_1 and fc_2 (after setup_module: it moves weights)
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model, triton_adamw))
         optimizer_used = optimizer_summary(optimizer)
         if recipe.train.max_grad_norm is not None:

@@ -756,14 +756,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "salt"])
     def _swiglu_lora_forward_kernel(gate_ptr, up_ptr, h_ptr, b1_ptr, b2_ptr, a_ptr, out_ptr, hp_ptr, seed_ptr, salt,
-                                    scale1, scale2, M, K, R, stride_h, stride_hp, stride_split, columns_per_split, p16,
-                                    inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                                    scale1, scale2, M, K, R, stride_in, stride_h, stride_hp, stride_split,
+                                    columns_per_split, p16, inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    BLOCK_R: tl.constexpr,
                                     PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # program (row block, column split), over the split's column tiles of (M, K) gate and up:
         #   gate = gate + s1 h1 b1^T, up = up + s2 h2 b2^T (h1, h2: the r-wide A outputs of fc_1 and fc_2, h's two
         #   halves; b1, b2: their B, (K, R)); out = silu(gate) * up, written; hp[split, rows] += dropout(out) @ a^T
         #   (proj's A, (R, K)), its mask that of lora_down with the seed and salt. One split: hp is the result;
-        #   more: fp32 partial sums, which _add_partials_kernel adds.
+        #   more: fp32 partial sums, which _add_partials_kernel adds. gate's and up's rows stride_in apart (the two
+        #   halves of one matmul's output when fc_1's and fc_2's weights are one tensor), out's K.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
@@ -780,12 +782,13 @@ if triton is not None:
         for start in range(first, stop, BLOCK_K):
             columns = start + tl.arange(0, BLOCK_K)
             at = rows[:, None].to(tl.int64) * K + columns[None, :]
+            at_in = rows[:, None].to(tl.int64) * stride_in + columns[None, :]
             inside = (rows[:, None] < M) & (columns[None, :] < stop)
             at_b = columns[None, :] * R + r[:, None]  # (BLOCK_R, BLOCK_K): B^T's tile
             in_b = (r[:, None] < R) & (columns[None, :] < stop)
-            gate = _with_low_rank(tl.load(gate_ptr + at, mask=inside, other=0.0), h1,
+            gate = _with_low_rank(tl.load(gate_ptr + at_in, mask=inside, other=0.0), h1,
                                   tl.load(b1_ptr + at_b, mask=in_b, other=0.0).to(dtype), scale1, PRECISION)
-            up = _with_low_rank(tl.load(up_ptr + at, mask=inside, other=0.0), h2,
+            up = _with_low_rank(tl.load(up_ptr + at_in, mask=inside, other=0.0), h2,
                                 tl.load(b2_ptr + at_b, mask=in_b, other=0.0).to(dtype), scale2, PRECISION)
             out = (gate * tl.sigmoid(gate) * up).to(dtype)
             tl.store(out_ptr + at, out, mask=inside)
@@ -799,8 +802,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "rows_per_split", "salt"])
     def _swiglu_lora_backward_kernel(grad_ptr, gate_ptr, up_ptr, h_ptr, b1_ptr, b2_ptr, a_ptr, gp_ptr, grad_gate_ptr,
-                                     grad_up_ptr, partial_ptr, seed_ptr, salt, scale1, scale2, M, K, R, stride_h,
-                                     stride_gp, rows_per_split, p16, inv_keep, BLOCK_M: tl.constexpr,
+                                     grad_up_ptr, partial_ptr, seed_ptr, salt, scale1, scale2, M, K, R, stride_in,
+                                     stride_out, stride_h, stride_gp, rows_per_split, p16, inv_keep,
+                                     BLOCK_M: tl.constexpr,
                                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
                                      B_GRADS: tl.constexpr, DROPOUT: tl.constexpr):
         # program (column block, row split), over the split's row tiles: gate, up and out rebuilt as the forward
@@ -808,7 +812,8 @@ if triton is not None:
         # of proj's r-wide A output); gate's and up's gradients written; and, in fp32 over the split's rows, the
         # partial sums of proj's A gradient gp^T dropout(out) (R, K), and of fc_1's and fc_2's B gradients
         # s grad_gate^T h1 and s grad_up^T h2 (K, R) after it: partial[0] a's, [1] b1's, [2] b2's, per split
-        # (without B_GRADS the B gradients are left to the caller: fewer registers per program).
+        # (without B_GRADS the B gradients are left to the caller: fewer registers per program). gate's and up's
+        # rows stride_in apart, grad_gate's and grad_up's stride_out, grad's K.
         split = tl.program_id(1)
         key = _lora_key(tl.load(seed_ptr) + salt)
         row_words = tl.cdiv(K, 64) * 32
@@ -835,8 +840,10 @@ if triton is not None:
             h2 = tl.load(at_h + R, mask=in_r, other=0.0).to(dtype)
             gp = tl.load(gp_ptr + rows[:, None].to(tl.int64) * stride_gp + r[None, :], mask=in_r, other=0.0).to(dtype)
             at = rows[:, None].to(tl.int64) * K + columns[None, :]
-            gate = _with_low_rank(tl.load(gate_ptr + at, mask=inside, other=0.0), h1, b1_t, scale1, PRECISION)
-            up = _with_low_rank(tl.load(up_ptr + at, mask=inside, other=0.0), h2, b2_t, scale2, PRECISION)
+            at_in = rows[:, None].to(tl.int64) * stride_in + columns[None, :]
+            at_out = rows[:, None].to(tl.int64) * stride_out + columns[None, :]
+            gate = _with_low_rank(tl.load(gate_ptr + at_in, mask=inside, other=0.0), h1, b1_t, scale1, PRECISION)
+            up = _with_low_rank(tl.load(up_ptr + at_in, mask=inside, other=0.0), h2, b2_t, scale2, PRECISION)
             sigmoid = tl.sigmoid(gate)
             silu = gate * sigmoid
             keep = _lora_keep(key, rows, first, row_words, p16, BLOCK_K, DROPOUT)
@@ -847,8 +854,8 @@ if triton is not None:
             # d silu(gate) / d gate = sigmoid(gate) (1 + gate (1 - sigmoid(gate)))
             grad_gate = (grad_out * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))).to(dtype)
             grad_up = (grad_out * silu).to(dtype)
-            tl.store(grad_gate_ptr + at, grad_gate, mask=inside)
-            tl.store(grad_up_ptr + at, grad_up, mask=inside)
+            tl.store(grad_gate_ptr + at_out, grad_gate, mask=inside)
+            tl.store(grad_up_ptr + at_out, grad_up, mask=inside)
             if B_GRADS:
                 acc_b1 += tl.dot(tl.trans(h1), grad_gate, input_precision=PRECISION)
                 acc_b2 += tl.dot(tl.trans(h2), grad_up, input_precision=PRECISION)
@@ -883,6 +890,14 @@ def _swiglu_lora_backward_launch(k: int) -> dict:
     return dict(block_m=32, block_k=64, num_warps=4, programs_per_sm=2, b_grads=True)
 
 
+def _row_strided(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up as the SwiGLU kernels read them: columns contiguous, both rows the same stride (contiguous
+    copies where they are not)."""
+    if gate.stride(1) != 1 or up.stride(1) != 1 or gate.stride(0) != up.stride(0):
+        gate, up = gate.contiguous(), up.contiguous()
+    return gate, up
+
+
 def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Tensor, b1: torch.Tensor,
                         b2: torch.Tensor, scale1: float, scale2: float, a: torch.Tensor, p: float, seed: torch.Tensor,
                         salt: int = 0, *, block_m: int | None = None, block_k: int | None = None,
@@ -894,9 +909,12 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
     ``scale2``: their alpha / r), returns ``out`` = silu(gate + s1 h1 b1^T) * (up + s2 h2 b2^T) (rows, K) and
     dropout(out) @ a^T (rows, R) for proj's A ``a`` (R, K), the mask that of lora_down with ``seed`` and ``salt``.
     Each sum is rounded to the dtype before the SwiGLU, as the matmul that adds into a 16-bit output rounds it.
-    ``block_m``, ``block_k``, ``num_warps``, ``splits``, ``num_stages``: the launch (else
-    _swiglu_lora_forward_launch's; num_stages Triton's default), for benchmarks/lora_mlp_bench.py."""
-    gate, up, after_a = gate.contiguous(), up.contiguous(), after_a.contiguous()
+    ``gate`` and ``up`` may be column slices of one (rows, 2 K) tensor (FusedLoRAMLP's one matmul for fc_1 and
+    fc_2): rows of the same stride, columns contiguous. ``block_m``, ``block_k``, ``num_warps``, ``splits``,
+    ``num_stages``: the launch (else _swiglu_lora_forward_launch's; num_stages Triton's default), for
+    benchmarks/lora_mlp_bench.py."""
+    gate, up = _row_strided(gate, up)
+    after_a = after_a.contiguous()
     b1, b2, a = b1.contiguous(), b2.contiguous(), a.contiguous()
     rows, k = gate.shape
     r = a.shape[0]
@@ -913,8 +931,8 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
     after_proj_a = torch.empty((rows, r), dtype=gate.dtype, device=gate.device)
     partial = after_proj_a if splits == 1 else torch.empty((splits, rows, r), dtype=torch.float32, device=gate.device)
     _swiglu_lora_forward_kernel[(triton.cdiv(rows, block_m), splits)](
-        gate, up, after_a, b1, b2, a, out, partial, seed, salt, scale1, scale2, rows, k, r, after_a.stride(0), r,
-        rows * r, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
+        gate, up, after_a, b1, b2, a, out, partial, seed, salt, scale1, scale2, rows, k, r, gate.stride(0),
+        after_a.stride(0), r, rows * r, columns_per_split, p16, inv_keep, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate), DROPOUT=p16 > 0,
         num_warps=num_warps or launch["num_warps"], **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
@@ -930,18 +948,22 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
                          grad_a: torch.Tensor, grad_b1: torch.Tensor, grad_b2: torch.Tensor, *,
                          block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                          programs_per_sm: int | None = None, b_grads: bool | None = None,
-                         num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_stages: int | None = None, out: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward pass of :func:`swiglu_lora_forward` (the same arguments, and ``grad``: the frozen proj's input
     gradient, (rows, K); ``grad_after_proj_a``: the gradient of its second output, (rows, R)) in one pass over
     ``grad``, gate and up: returns the gradients with respect to the sums gate + s1 h1 b1^T and up + s2 h2 b2^T (the
     frozen fc_1's and fc_2's output gradients), and adds proj's A gradient into ``grad_a`` (R, K) and fc_1's and
     fc_2's B gradients into ``grad_b1`` and ``grad_b2`` (K, R), their .grad (contiguous, any float dtype): fp32 sums
     over row splits, rounded once. The gradients with respect to ``after_a`` are left to the caller: the returned
-    gradients times s B, one matmul each. ``block_m``, ``block_k``, ``num_warps``, ``programs_per_sm``,
-    ``num_stages``: the launch (else _swiglu_lora_backward_launch's; num_stages Triton's default); ``b_grads``
+    gradients times s B, one matmul each. The two gradients are the column halves of one (rows, 2 K) tensor, ``out``
+    if given (else a new one): one matmul with fc_1's and fc_2's weights stacked takes both. ``gate`` and ``up``
+    may be column slices of one tensor, as for swiglu_lora_forward. ``block_m``, ``block_k``, ``num_warps``,
+    ``programs_per_sm``, ``num_stages``: the launch (else _swiglu_lora_backward_launch's; num_stages Triton's default); ``b_grads``
     False: the B gradients by cuBLAS after the kernel, each a second read of a returned gradient (for
     benchmarks/lora_mlp_bench.py)."""
-    grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
+    grad = grad.contiguous()
+    gate, up = _row_strided(gate, up)
     after_a, grad_after_proj_a = after_a.contiguous(), grad_after_proj_a.contiguous()
     b1, b2, a = b1.contiguous(), b2.contiguous(), a.contiguous()
     rows, k = gate.shape
@@ -958,11 +980,15 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
     splits, rows_per_split = _row_splits(rows, block_m, column_blocks,
                                          (programs_per_sm or launch["programs_per_sm"]) * _sm_count(gate))
     b_grads = launch["b_grads"] if b_grads is None else b_grads
-    grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+    if out is None:
+        out = torch.empty((rows, 2 * k), dtype=gate.dtype, device=gate.device)
+    assert out.shape == (rows, 2 * k) and out.is_contiguous() and out.dtype == gate.dtype
+    grad_gate, grad_up = out[:, :k], out[:, k:]
     partial = torch.empty((3 if b_grads else 1, splits, r * k), dtype=torch.float32, device=gate.device)
     _swiglu_lora_backward_kernel[(column_blocks, splits)](
         grad, gate, up, after_a, b1, b2, a, grad_after_proj_a, grad_gate, grad_up, partial, seed, salt, scale1,
-        scale2, rows, k, r, after_a.stride(0), grad_after_proj_a.stride(0), rows_per_split, p16, inv_keep,
+        scale2, rows, k, r, gate.stride(0), out.stride(0), after_a.stride(0), grad_after_proj_a.stride(0),
+        rows_per_split, p16, inv_keep,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate),
         DROPOUT=p16 > 0, B_GRADS=b_grads, num_warps=num_warps or launch["num_warps"],
         **({} if num_stages is None else {"num_stages": num_stages}))

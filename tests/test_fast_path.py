@@ -383,18 +383,32 @@ def test_mlp_forward_runs_fc_1_and_fc_2_as_one_fused_lora_pair(tiny_recipe, monk
         torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
 
 
-def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypatch):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypatch, stacked):
     """mlp_forward runs a LoRA MLP whose fc_1, fc_2 and proj would each run as FusedLoRA as one FusedLoRAMLP (the
     adapters inside the SwiGLU kernels), each layer's mask from the forward pass's shared seed and its own salt: the
     output, x's gradient and all six adapter gradients of FusedLoRAPair + SwiGLU + FusedLoRA (the path it replaces),
     over two micro-batches (gradients added into .grad). It keeps what that path keeps. Without a shared seed (a
     layer called outside CausalLM's forward), or wider than FUSED_LORA_MLP_MAX_INTERMEDIATE, the MLP runs that path.
-    fp32, Triton's interpreter standing in for CUDA as in the test above."""
+    ``stacked``: fc_1's and fc_2's weights one tensor (model.stack_fc_weights), FusedLoRAMLP's one matmul for both
+    each way; the state_dict unchanged. fp32, Triton's interpreter standing in for CUDA as in the test above."""
     from litft import kernels, model
 
     gpt = _lora_gpt(tiny_recipe, ["mlp"], dropout=0.25)
     use_fast_layers(gpt, grad_into_weights=True, triton_kernels=True)
     mlp = gpt.transformer.h[0].mlp
+    if stacked:
+        before = {name: t.clone() for name, t in gpt.state_dict().items()}
+        assert model.stacked_fc_weight(mlp) is None
+        assert model.stack_fc_weights(gpt) == len(gpt.transformer.h)
+        after = gpt.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+        both = model.stacked_fc_weight(mlp)
+        assert torch.equal(both, torch.cat([mlp.fc_1.linear.weight, mlp.fc_2.linear.weight]))
+        assert both.data_ptr() == mlp.fc_1.linear.weight.data_ptr()
+        found = []
+        real_stacked = model.stacked_fc_weight
+        monkeypatch.setattr(model, "stacked_fc_weight", lambda mlp: found.append(real_stacked(mlp)) or found[-1])
     monkeypatch.setattr(kernels, "available", lambda x: True)
     monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
     calls = []
@@ -422,6 +436,8 @@ def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypa
 
     fused, fused_saved = run()
     assert len(calls) == 2 and calls[0][-1] == (mlp.fc_1.lora_salt, mlp.fc_2.lora_salt, mlp.proj.lora_salt)
+    if stacked:  # forward and backward of both micro-batches took the one matmul
+        assert len(found) == 4 and all(t is not None for t in found)
     monkeypatch.setattr(model, "_fused_lora_mlp_applies", lambda mlp, rows: False)
     apart, apart_saved = run()
     assert len(calls) == 2 and fused_saved == apart_saved

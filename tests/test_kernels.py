@@ -518,22 +518,27 @@ def full_fp32_matmuls():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits,b_grads,p", [(1, True, 0.25), (2, True, 0.25), (2, False, 0.25), (2, True, 0.0)])
-def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device, splits, b_grads, p,
+@pytest.mark.parametrize("splits,b_grads,p,stacked", [(1, True, 0.25, False), (2, True, 0.25, True),
+                                                      (2, False, 0.25, False), (2, True, 0.0, True)])
+def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device, splits, b_grads, p, stacked,
                                                                          full_fp32_matmuls):
     """kernels.swiglu_lora_forward is fc_1's and fc_2's B adds, SwiGLU and proj's dropout(out) @ A^T (proj's mask
     that of lora_down with the same seed and salt), and swiglu_lora_backward gives autograd's gradients of the same
     function: with respect to the adapted gate and up, proj's A (added into its .grad) and fc_1's and fc_2's B (added
     into theirs; by the kernel, or with ``b_grads`` False by cuBLAS after it). 70 rows (3 row tiles of 32, one partly
     filled; several row splits), 80 intermediate columns (a column tile of 64 and a partly masked one; forward, one
-    or two column splits), r 12 (R padded to 16); and with p 0 (no mask drawn). fp32 against float64 references."""
+    or two column splits), r 12 (R padded to 16); and with p 0 (no mask drawn). ``stacked``: gate and up are the
+    column halves of one tensor (FusedLoRAMLP's one matmul for fc_1 and fc_2). The backward kernel writes both
+    gradients into the halves of one (rows, 2 K) tensor. fp32 against float64 references."""
     torch.manual_seed(0)
     rows, k, r, salt = 70, 80, 12, 7
     seed = torch.tensor([1357911], device=device)
     mask = _lora_mask(rows, k, p, seed + salt, device).double()  # the kernels draw with seed + salt
     scale = 1 / (1 - p)
     s1, s2 = 0.5, 2.0
-    gate, up = torch.randn(rows, k, device=device), torch.randn(rows, k, device=device)
+    gate_up = torch.randn(rows, 2 * k, device=device)
+    gate, up = (gate_up[:, :k], gate_up[:, k:]) if stacked else (gate_up[:, :k].clone(), gate_up[:, k:].clone())
+    assert gate.is_contiguous() != stacked
     after_a = torch.randn(rows, 2 * r, device=device)
     b1, b2 = torch.randn(k, r, device=device) / 3, torch.randn(k, r, device=device) / 3
     a = torch.randn(r, k, device=device) / 3
@@ -555,6 +560,8 @@ def test_swiglu_lora_kernels_are_the_lora_mlps_middle_with_its_gradients(device,
                                                       b_grads=b_grads)
     torch.testing.assert_close(grad_gate.double(), expected[0], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(grad_up.double(), expected[1], rtol=1e-5, atol=1e-4)
+    both = grad_gate._base  # one (rows, 2 K) tensor
+    assert both is not None and both.shape == (rows, 2 * k) and torch.equal(both, torch.cat([grad_gate, grad_up], 1))
     for got, before, wanted in zip((grad_b1, grad_b2, grad_a), (earlier[1], earlier[2], earlier[0]), expected[2:]):
         torch.testing.assert_close(got.double(), before.double() + wanted, rtol=1e-5, atol=1e-4)
 
@@ -697,14 +704,15 @@ for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _l
                           "DROPOUT": has_grad_in, "num_warps": launch["num_warps"]})  # p = 0 runs too
 mlp_forward = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16", "b2_ptr": "*bf16",
                "a_ptr": "*bf16", "out_ptr": "*bf16", "hp_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32",
-               "scale1": "fp32", "scale2": "fp32", "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32",
-               "stride_hp": "i32", "stride_split": "i32", "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32",
+               "scale1": "fp32", "scale2": "fp32", "M": "i32", "K": "i32", "R": "i32", "stride_in": "i32",
+               "stride_h": "i32", "stride_hp": "i32", "stride_split": "i32", "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32",
                "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr",
                "DROPOUT": "constexpr"}
 mlp_backward = {"grad_ptr": "*bf16", "gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16",
                 "b2_ptr": "*bf16", "a_ptr": "*bf16", "gp_ptr": "*bf16", "grad_gate_ptr": "*bf16", "grad_up_ptr": "*bf16",
                 "partial_ptr": "*fp32", "seed_ptr": "*i64", "salt": "i32", "scale1": "fp32", "scale2": "fp32",
-                "M": "i32", "K": "i32", "R": "i32", "stride_h": "i32", "stride_gp": "i32", "rows_per_split": "i32",
+                "M": "i32", "K": "i32", "R": "i32", "stride_in": "i32", "stride_out": "i32", "stride_h": "i32",
+                "stride_gp": "i32", "rows_per_split": "i32",
                 "p16": "i32", "inv_keep": "fp32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
                 "BLOCK_R": "constexpr", "PRECISION": "constexpr", "B_GRADS": "constexpr",
                 "DROPOUT": "constexpr"}
