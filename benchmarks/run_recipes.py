@@ -602,6 +602,13 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("stacked-again", "tiny-llama-lora", GPU + steps(60)),
         ("stacked-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
+    # Session 19's code as shipped: TinyLlama LoRA and QLoRA (60 steps), OpenLLaMA-7B LoRA and QLoRA (12 steps).
+    "s19-final": [
+        ("lora", "tiny-llama-lora", GPU + steps(60)),
+        ("qlora", "tiny-llama-qlora", GPU + steps(60)),
+        ("7b-lora", "open-llama-7b-lora", GPU + steps(12)),
+        ("7b-qlora", "open-llama-7b-qlora", GPU + steps(12)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
