@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes; see benchmarks/README.md), make
+# One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes slimmed to its CUDA 13.0 library by
+# benchmarks/slim_wheel.py, so that the tree and the wheels fit the 64 MiB a call carries; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
 #   steps: env | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps) |
