@@ -609,6 +609,15 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("7b-lora", "open-llama-7b-lora", GPU + steps(12)),
         ("7b-qlora", "open-llama-7b-qlora", GPU + steps(12)),
     ],
+    # The partial sums of up to three gradients in one launch (kernels._add_partials: swiglu_lora_backward's three,
+    # the pair's two) beside the code before (5fc8369, out/prev), twice each way, and a profile.
+    "s19-partials": [
+        ("before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("after", "tiny-llama-lora", GPU + steps(60)),
+        ("before-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("after-again", "tiny-llama-lora", GPU + steps(60)),
+        ("after-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -556,11 +556,9 @@ _PARTIALS_BLOCK = 1024
 if triton is not None:
 
     @triton.jit
-    def _add_partials_kernel(partial_ptr, grad_ptr, n, splits, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
+    def _add_sums(partial_ptr, grad_ptr, offsets, inside, n, splits, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
         # grad (+)= the sum of `splits` fp32 partial sums, in fp32, rounded once to grad's dtype; without ACCUMULATE
         # grad is only written
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < n
         if ACCUMULATE:
             total = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         else:
@@ -568,6 +566,36 @@ if triton is not None:
         for split in range(0, splits):
             total += tl.load(partial_ptr + split * n + offsets, mask=inside, other=0.0)
         tl.store(grad_ptr + offsets, total.to(grad_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _add_partials_kernel(partial_ptr, grad_ptr, grad2_ptr, grad3_ptr, n, splits, BLOCK: tl.constexpr,
+                             ACCUMULATE: tl.constexpr):
+        # program (block, target): target t's output (grad, grad2, grad3) (+)= the sum of its `splits` partial sums,
+        # partial[t] of a (targets, splits, n) fp32 tensor: the partial sums of up to three gradients in one launch
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        target = tl.program_id(1)
+        sums = partial_ptr + target.to(tl.int64) * splits * n
+        if target == 0:
+            _add_sums(sums, grad_ptr, offsets, inside, n, splits, BLOCK, ACCUMULATE)
+        elif target == 1:
+            _add_sums(sums, grad2_ptr, offsets, inside, n, splits, BLOCK, ACCUMULATE)
+        else:
+            _add_sums(sums, grad3_ptr, offsets, inside, n, splits, BLOCK, ACCUMULATE)
+
+
+def _add_partials(partial: torch.Tensor, targets: tuple[torch.Tensor, ...], accumulate: bool = True) -> None:
+    """targets[t] (+)= partial[t].sum(0), for partial (len(targets), splits, ...) fp32 contiguous and up to three
+    contiguous targets of n elements each, in one launch (each launch is ~3-4 us of a step under a CUDA graph; a
+    TinyLlama LoRA step ran 266 of these, results/s19-stack's profile). 1,024 elements per program: a LoRA A of 32 x
+    2,048 is 64 programs per target (4,096 per program left 16, and the kernel took 7.3 us per call on the H100,
+    results/s14b-tiny)."""
+    assert 1 <= len(targets) <= 3 and partial.is_contiguous() and partial.shape[0] == len(targets)
+    n = targets[0].numel()
+    assert all(t.is_contiguous() and t.numel() == n for t in targets) and partial[0].numel() % n == 0
+    grads = tuple(targets) + (targets[0],) * (3 - len(targets))  # unused pointers: no program reaches them
+    _add_partials_kernel[(triton.cdiv(n, _PARTIALS_BLOCK), len(targets))](
+        partial, *grads, n, partial[0].numel() // n, BLOCK=_PARTIALS_BLOCK, ACCUMULATE=accumulate, num_warps=4)
 
 
 def _lora_precision(x: torch.Tensor) -> str:
@@ -665,9 +693,7 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, p: float, seed: torch.Tensor, sa
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), DROPOUT=p16 > 0, PAIR=a2 is not None,
         num_warps=num_warps or launch["num_warps"])
     if splits > 1:
-        _add_partials_kernel[(triton.cdiv(rows * width, _PARTIALS_BLOCK),)](partial, out, rows * width, splits,
-                                                                             BLOCK=_PARTIALS_BLOCK, ACCUMULATE=False,
-                                                                             num_warps=4)
+        _add_partials(partial[None], (out,), accumulate=False)
     return out
 
 
@@ -721,17 +747,10 @@ def lora_down_backward(x: torch.Tensor, a: torch.Tensor, grad_after_a: torch.Ten
         BLOCK_K=block_k, BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(x), DROPOUT=p16 > 0,
         SWIGLU=gate is not None, PAIR=a2 is not None, num_warps=num_warps or launch["num_warps"])
     grad_x = grad_x if input_grad else None
-    if a2 is not None:
-        _add_partials_kernel[(triton.cdiv(r * k, _PARTIALS_BLOCK),)](partial[splits:], grad_a2, r * k, splits,
-                                                                     BLOCK=_PARTIALS_BLOCK, ACCUMULATE=True,
-                                                                     num_warps=4)
-    if grad_a is None:
+    if grad_a is None:  # (no pair here: it needs both .grad)
         return grad_x, partial.sum(0) if splits > 1 else partial[0]
     assert grad_a.shape == (r, k) and grad_a.is_contiguous()
-    # 1,024 elements per program: a LoRA A of 32 x 2,048 is 64 programs (4,096 per program left 16, and the kernel
-    # took 7.3 us per call on the H100, results/s14b-tiny)
-    _add_partials_kernel[(triton.cdiv(r * k, _PARTIALS_BLOCK),)](partial, grad_a, r * k, splits,
-                                                                 BLOCK=_PARTIALS_BLOCK, ACCUMULATE=True, num_warps=4)
+    _add_partials(partial.view(pair, splits, r * k), (grad_a,) if a2 is None else (grad_a, grad_a2))
     return grad_x, grad_a
 
 
@@ -942,9 +961,7 @@ def swiglu_lora_forward(gate: torch.Tensor, up: torch.Tensor, after_a: torch.Ten
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(gate), DROPOUT=p16 > 0,
         num_warps=num_warps or launch["num_warps"], **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
-        _add_partials_kernel[(triton.cdiv(rows * r, _PARTIALS_BLOCK),)](partial, after_proj_a, rows * r, splits,
-                                                                        BLOCK=_PARTIALS_BLOCK, ACCUMULATE=False,
-                                                                        num_warps=4)
+        _add_partials(partial[None], (after_proj_a,), accumulate=False)
     return out, after_proj_a
 
 
@@ -1001,10 +1018,7 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
     if not b_grads:
         grad_b1.addmm_(grad_gate.t(), after_a[:, :r], alpha=scale1)
         grad_b2.addmm_(grad_up.t(), after_a[:, r:], alpha=scale2)
-    for sums, into in zip(partial, (grad_a, grad_b1, grad_b2)):  # a's, and b1's and b2's with b_grads
-        _add_partials_kernel[(triton.cdiv(r * k, _PARTIALS_BLOCK),)](sums, into, r * k, splits,
-                                                                     BLOCK=_PARTIALS_BLOCK, ACCUMULATE=True,
-                                                                     num_warps=4)
+    _add_partials(partial, (grad_a, grad_b1, grad_b2)[:partial.shape[0]])  # a's, and b1's and b2's with b_grads
     return grad_gate, grad_up
 
 

@@ -729,8 +729,9 @@ for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one sp
                           "PRECISION": "tf32", "B_GRADS": b_grads,
                           "DROPOUT": b_grads, "num_warps": launch["num_warps"]})
 for accumulate in (True, False):
-    compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "n": "i32",
-                                                     "splits": "i32", "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
+    compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "grad2_ptr": "*bf16",
+                                                     "grad3_ptr": "*bf16", "n": "i32", "splits": "i32",
+                                                     "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
                      {"BLOCK": kernels._PARTIALS_BLOCK, "ACCUMULATE": accumulate, "num_warps": 4})
 print("compiled")
 """
