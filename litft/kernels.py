@@ -588,9 +588,8 @@ def _add_partials(partial: torch.Tensor, targets: tuple[torch.Tensor, ...], accu
     """targets[t] (+)= partial[t].sum(0), for partial (len(targets), splits, ...) fp32 contiguous and up to three
     contiguous targets of n elements each, in one launch (each launch is ~3-4 us of a step under a CUDA graph: a
     TinyLlama LoRA step ran 266 of them for 1.02 ms, one per gradient, and runs 166 for 0.69 ms, results/s19-stack
-    and s19-partials' profiles). 1,024 elements per program: a LoRA A of 32 x
-    2,048 is 64 programs per target (4,096 per program left 16, and the kernel took 7.3 us per call on the H100,
-    results/s14b-tiny)."""
+    and s19-partials' profiles). 1,024 elements per program: a LoRA A of 32 x 2,048 is 64 programs per target
+    (4,096 per program left 16, and the kernel took 7.3 us per call on the H100, results/s14b-tiny)."""
     assert 1 <= len(targets) <= 3 and partial.is_contiguous() and partial.shape[0] == len(targets)
     n = targets[0].numel()
     assert all(t.is_contiguous() and t.numel() == n for t in targets) and partial[0].numel() % n == 0
@@ -784,8 +783,7 @@ if triton is not None:
     def _swiglu_lora_forward_kernel(gate_ptr, up_ptr, h_ptr, b1_ptr, b2_ptr, a_ptr, out_ptr, hp_ptr, seed_ptr, salt,
                                     scale1, scale2, M, K, R, stride_in, stride_h, stride_hp, stride_split,
                                     columns_per_split, p16, inv_keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    BLOCK_R: tl.constexpr,
-                                    PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                                    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # program (row block, column split), over the split's column tiles of (M, K) gate and up:
         #   gate = gate + s1 h1 b1^T, up = up + s2 h2 b2^T (h1, h2: the r-wide A outputs of fc_1 and fc_2, h's two
         #   halves; b1, b2: their B, (K, R)); out = silu(gate) * up, written; hp[split, rows] += dropout(out) @ a^T
@@ -983,9 +981,9 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
     gradients times s B, one matmul each. The two gradients are the column halves of one (rows, 2 K) tensor, ``out``
     if given (else a new one): one matmul with fc_1's and fc_2's weights stacked takes both. ``gate`` and ``up``
     may be column slices of one tensor, as for swiglu_lora_forward. ``block_m``, ``block_k``, ``num_warps``,
-    ``programs_per_sm``, ``num_stages``: the launch (else _swiglu_lora_backward_launch's; num_stages Triton's default); ``b_grads``
-    False: the B gradients by cuBLAS after the kernel, each a second read of a returned gradient (for
-    benchmarks/lora_mlp_bench.py)."""
+    ``programs_per_sm``, ``num_stages``: the launch (else _swiglu_lora_backward_launch's; num_stages Triton's
+    default); ``b_grads`` False: the B gradients by cuBLAS after the kernel, each a second read of a returned
+    gradient (for benchmarks/lora_mlp_bench.py)."""
     grad = grad.contiguous()
     gate, up = _row_strided(gate, up)
     after_a, grad_after_proj_a = after_a.contiguous(), grad_after_proj_a.contiguous()

@@ -947,8 +947,8 @@ def stack_fc_weights(model: torch.nn.Module) -> int:
         first, second = mlp.fc_1.linear, mlp.fc_2.linear
         if not (type(first) is torch.nn.Linear and type(second) is torch.nn.Linear and first.bias is None
                 and second.bias is None and first.weight.shape == second.weight.shape
-                and first.weight.dtype == second.weight.dtype and first.weight.device == second.weight.device and not first.weight.requires_grad
-                and not second.weight.requires_grad
+                and first.weight.dtype == second.weight.dtype and first.weight.device == second.weight.device
+                and not first.weight.requires_grad and not second.weight.requires_grad
                 and first.weight.shape[0] <= FUSED_LORA_MLP_MAX_INTERMEDIATE):
             continue
         if stacked_fc_weight(mlp) is not None:
@@ -1161,7 +1161,10 @@ def _is_identity_function(dropout) -> bool:
     if isinstance(dropout, torch.nn.Module) or not callable(dropout):
         return False
     probe = torch.empty(0)
-    return dropout(probe) is probe
+    try:
+        return dropout(probe) is probe
+    except Exception:  # some other function: not ours to judge, it stays
+        return False
 
 
 def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True, attention: bool = True,

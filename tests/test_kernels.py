@@ -705,7 +705,8 @@ for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _l
 mlp_forward = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16", "b2_ptr": "*bf16",
                "a_ptr": "*bf16", "out_ptr": "*bf16", "hp_ptr": "*bf16", "seed_ptr": "*i64", "salt": "i32",
                "scale1": "fp32", "scale2": "fp32", "M": "i32", "K": "i32", "R": "i32", "stride_in": "i32",
-               "stride_h": "i32", "stride_hp": "i32", "stride_split": "i32", "columns_per_split": "i32", "p16": "i32", "inv_keep": "fp32",
+               "stride_h": "i32", "stride_hp": "i32", "stride_split": "i32", "columns_per_split": "i32", "p16": "i32",
+               "inv_keep": "fp32",
                "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr",
                "DROPOUT": "constexpr"}
 mlp_backward = {"grad_ptr": "*bf16", "gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "b1_ptr": "*bf16",
