@@ -44,7 +44,7 @@ def main() -> int:
              "| M | shape (K, R) | variant | forward ms | backward ms | per micro-batch x count (ms) |",
              "|---|---|---|---|---|---|"]
     best: dict[tuple[int, str], tuple[float, str, object]] = {}  # (M, shape + direction): (ms, launch, its call)
-    rounds_lines: list[str] = []
+    mask_lines: list[str] = []
     floor_lines: list[str] = []
     for rows, (name, k, r, count) in itertools.product(args.rows, SHAPES):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -94,12 +94,12 @@ def main() -> int:
                     value = do_bench(fn, warmup=10, rep=50)
                 finally:
                     P = drawn
-                rounds_lines.append(f"| {rows} | {name} ({k}, {r}) | {part}: {label} | {p} | {value:.4f} |")
+                mask_lines.append(f"| {rows} | {name} ({k}, {r}) | {part}: {label} | {p} | {value:.4f} |")
         # bytes a pass must move at least: forward reads x; backward reads x and grad_in and writes grad_x
         floor_lines.append(f"| {rows} | {name} ({k}, {r}) | {x.numel() * 2 / 3.35e9:.4f} |"
                            f" {3 * x.numel() * 2 / 3.35e9:.4f} |")
     lines += ["", "The mask's share (the fastest launch of each direction per shape, without and with dropout; ms):", "",
-              "| M | shape (K, R) | launch | p | ms |", "|---|---|---|---|---|"] + rounds_lines
+              "| M | shape (K, R) | launch | p | ms |", "|---|---|---|---|---|"] + mask_lines
     lines += ["", "The bandwidth floor at 3.35 TB/s (ms): forward reads x; backward reads x and grad_in, writes grad_x",
               "",
               "| M | shape (K, R) | forward | backward |", "|---|---|---|---|"] + floor_lines

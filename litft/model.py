@@ -951,12 +951,10 @@ def stack_fc_weights(model: torch.nn.Module) -> int:
                 and not first.weight.requires_grad and not second.weight.requires_grad
                 and first.weight.shape[0] <= FUSED_LORA_MLP_MAX_INTERMEDIATE):
             continue
-        if stacked_fc_weight(mlp) is not None:
-            stacked += 1
-            continue
-        both = torch.cat([first.weight.data, second.weight.data])
-        width = first.weight.shape[0]
-        first.weight.data, second.weight.data = both[:width], both[width:]
+        if stacked_fc_weight(mlp) is None:  # (not already stacked)
+            both = torch.cat([first.weight.data, second.weight.data])
+            width = first.weight.shape[0]
+            first.weight.data, second.weight.data = both[:width], both[width:]
         stacked += 1
     return stacked
 
