@@ -618,6 +618,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("after-again", "tiny-llama-lora", GPU + steps(60)),
         ("after-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
+    # Each epoch's steps fitted to one micro-batch (data.fit_steps) beside the code before (ec342cb, out/prev: the
+    # shuffled order, ~26% of steps taking a second, short micro-batch), twice each way, QLoRA once each way, and a
+    # profile.
+    "s20-fit": [
+        ("before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("fit", "tiny-llama-lora", GPU + steps(60)),
+        ("before-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("fit-again", "tiny-llama-lora", GPU + steps(60)),
+        ("qlora-before", "tiny-llama-qlora", GPU + steps(60), PREVIOUS),
+        ("qlora-fit", "tiny-llama-qlora", GPU + steps(60)),
+        ("fit-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

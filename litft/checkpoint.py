@@ -204,11 +204,12 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 _MUST_MATCH = (
     "model", "init", "method", "lora", "quantize", "precision", "data.path", "data.val_path", "data.val_split",
     "data.fields", "data.prompt_style", "data.max_seq_length", "data.mask_prompt", "data.packing", "data.pack_steps",
-    "train.global_batch_size", "train.micro_batch_size", "devices", "seed", "optimizer.class_path",
+    "data.fit_steps", "train.global_batch_size", "train.micro_batch_size", "devices", "seed", "optimizer.class_path",
 )
 # What a field missing from an older checkpoint meant, where that is not its default now: data.pack_steps was added
-# off (each micro-batch a fixed number of samples) and became the default later.
-_BEFORE_IT_EXISTED = {"data.pack_steps": False}
+# off (each micro-batch a fixed number of samples) and became the default later; before data.fit_steps the steps
+# took the plain shuffled order.
+_BEFORE_IT_EXISTED = {"data.pack_steps": False, "data.fit_steps": False}
 # Changing these is allowed; the resumed run says which value wins.
 _WARN = ("train.epochs", "train.max_steps", "train.warmup_steps", "train.lr_schedule", "train.min_lr_ratio",
          "train.max_grad_norm", "optimizer.init_args")

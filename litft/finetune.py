@@ -253,8 +253,9 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         # order, as grad_accum micro-batches of micro_batch_size) and the collate fills micro-batches from them
         step_capacity = recipe.step_capacity if recipe.packs_steps else None
         train_sampler = EpochBatchSampler(
-            len(data.train), recipe.loader_batch_size, shuffle=True, seed=recipe.seed,
+            data.train.lengths, recipe.loader_batch_size, shuffle=True, seed=recipe.seed,
             rank=fabric.global_rank, world_size=fabric.world_size, drop_last=True,
+            fit_capacity=step_capacity if recipe.data.fit_steps else None,
         )
         val_sampler = EpochBatchSampler(
             len(data.val), recipe.train.micro_batch_size, shuffle=False, seed=recipe.seed,
@@ -307,7 +308,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             train_collate = collate_function(data.pad_id, recipe.data.packing, True, recipe.loader_batch_size)
             with phases("warmup"):  # CUDA graphs' warm-up and capture, with the compiles they set off
                 micro_step.prepare(largest_batches(data.train.lengths, recipe.loader_batch_size, train_collate,
-                                                   data.pad_id, step_capacity, GraphedMicroSteps.UPFRONT_SHAPES))
+                                                   data.pad_id, step_capacity,
+                                                   GraphedMicroSteps.upfront_shapes(step_capacity)))
         if recipe.eval.initial:
             with phases("eval"):
                 losses["val_initial"] = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
@@ -599,7 +601,18 @@ class GraphedMicroSteps:
     keeps_gradients = True
     WARMUP = 2  # plain micro-batches before a capture (torch's CUDA graph docs warm up a few, too)
     EAGER_WARMUP = 1  # the same, before training, for eager blocks: nothing of theirs depends on the shapes seen
-    UPFRONT_SHAPES = 16  # packed row widths captured before training (TinyLlama at 4 x 512: 8 widths of 256)
+    UPFRONT_SHAPES = 16  # packed row widths captured before training, at least (TinyLlama at 4 x 512: 8 widths of 256)
+
+    @classmethod
+    def upfront_shapes(cls, step_capacity: int | None) -> int:
+        """Packed row widths to capture before training: every width a step's micro-batch can take under
+        data.pack_steps (capacity / GRAPH_MULTIPLE), at least UPFRONT_SHAPES. With 16 only, a 4,608-position
+        capacity left 2 of its 18 widths to be captured during training, and the 60-step runs that met them ran at
+        ~60,000 real tok/s for those intervals against ~69,000 (benchmarks/results/s16-tiny, lora-4608)."""
+        from litft.data import GRAPH_MULTIPLE
+
+        widths = -(-step_capacity // GRAPH_MULTIPLE) if step_capacity else 0
+        return max(cls.UPFRONT_SHAPES, widths)
 
     def __init__(self, fabric, model, say, compiled: bool = False) -> None:
         self.fabric, self.model, self.say = fabric, model, say

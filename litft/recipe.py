@@ -128,10 +128,19 @@ class DataConfig:
     pack_capacity: Optional[int] = None
     """Positions per micro-batch under data.pack_steps (null: micro_batch_size x max_seq_length): sets peak activation
     memory (TinyLlama LoRA: ~1.1 MiB per position) apart from the sample count. A step whose samples overflow it
-    takes one more, short micro-batch: 16 Alpaca-like samples (mean 245 tokens) overflow 4,096 positions in 32% of
-    steps, 4,608 in 7%. On the H100 the extra passes cost little: TinyLlama LoRA at 4,608 took a 1.5% shorter median
-    step than at 4,096 and 1.0 GiB more reserved memory (benchmarks/results/s16-tiny), so the recipes leave it
-    null. Must be at least data.max_seq_length; needs data.packing and data.pack_steps."""
+    takes one more, short micro-batch: 16 Alpaca-like samples (mean 245 tokens) in shuffled order overflow 4,096
+    positions in ~26-32% of steps, 4,608 in ~5-7% (data.fit_steps brings 4,096 to ~1%). TinyLlama LoRA at 4,608 took
+    1.0 GiB more reserved memory on the H100 (benchmarks/results/s16-tiny), so the recipes leave it null. Must be at
+    least data.max_seq_length; needs data.packing and data.pack_steps."""
+
+    fit_steps: bool = True
+    """Under data.pack_steps: arrange each epoch's shuffled samples so that each step's samples fit in as few
+    micro-batches of data.pack_capacity positions as the data's mean length allows, by swapping a step's longest
+    sample with a nearby later one that makes it fit (data.fit_steps: every sample once per epoch, the same samples
+    per step, the order otherwise the shuffled one; steps that no swap within 64 samples can fit keep their
+    overflow, and those gather towards the end of an epoch when the mean step nearly fills its micro-batches).
+    Without it a step that overflows takes one more, short micro-batch, which runs every kernel of a micro-batch
+    for a few hundred positions. False: the plain shuffled order."""
 
     num_workers: int = 2
     """DataLoader worker processes (0 = load in the training process)."""

@@ -607,6 +607,74 @@ def test_fill_micro_batches_packs_a_step_into_few_full_micro_batches():
         fill_micro_batches([2000], capacity=1024)
 
 
+def _lognormal_lengths(n: int, seed: int, median: float = 212.0) -> list[int]:
+    """Alpaca-like lengths (benchmarks/make_bench_data.py's log-normal: mean ~245 at median 212), cut to 20-512."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.exp(torch.randn(n, generator=generator) * 0.536 + torch.log(torch.tensor(median)))
+    return draws.round().clamp(20, 512).int().tolist()
+
+
+def test_fit_steps_fits_steps_by_swapping_and_keeps_every_sample_once():
+    from litft.data import fill_micro_batches, fit_steps
+
+    lengths = _lognormal_lengths(992, seed=0)  # 62 steps of 16, ~3,900 positions each
+    order = torch.randperm(992, generator=torch.Generator().manual_seed(1)).tolist()
+    fitted = fit_steps(order, lengths, group=16, capacity=4096)
+    assert sorted(fitted) == list(range(992))  # a permutation: every sample once
+
+    def overflowing(o: list[int]) -> int:
+        return sum(len(fill_micro_batches([lengths[i] for i in o[s:s + 16]], 4096)) > 1 for s in range(0, 992, 16))
+
+    # shuffled, about a quarter of the steps take a second micro-batch; fitted, one or two at most
+    assert overflowing(order) >= 10 and overflowing(fitted) <= 2, (overflowing(order), overflowing(fitted))
+    # a step that already fits is the shuffled order's own step; the rest differ by a few swapped samples
+    for s in range(0, 992, 16):
+        if sum(lengths[i] for i in order[s:s + 16]) <= 4096 and fitted[:s] == order[:s]:
+            assert fitted[s:s + 16] == order[s:s + 16]
+    moved = sum(a != b for a, b in zip(order, fitted))
+    assert moved < 0.4 * len(order), moved
+    # the swaps reach no further than the window: each sample lands within 64 + 16 places of where it was...
+    place = {i: k for k, i in enumerate(order)}
+    assert max(k - place[i] for k, i in enumerate(fitted)) <= 16 * 62  # (a long sample may be put off repeatedly)
+    assert max(place[i] - k for k, i in enumerate(fitted)) <= 64 + 16  # ...when it is brought forward
+    # nothing to swap in (one step), or every sample too long: the order is kept, the step overflows
+    assert fit_steps([0, 1, 2], [300, 300, 300], group=3, capacity=512) == [0, 1, 2]
+    assert fit_steps([0, 1, 2, 3], [300, 300, 400, 400], group=2, capacity=512) == [0, 1, 2, 3]
+    # the nearest sample short enough is the one swapped in: step [0, 1] is 300 + 300 > 512, sample 3 (200) fits
+    assert fit_steps([0, 1, 2, 3], [300, 300, 250, 200], group=2, capacity=512) == [3, 1, 2, 0]
+
+
+def test_sampler_fits_each_ranks_steps_and_records_the_capacity():
+    from litft.data import fill_micro_batches
+
+    lengths = _lognormal_lengths(640, seed=2)
+    plain = EpochBatchSampler(lengths, 16, shuffle=True, seed=5)
+    fitted = EpochBatchSampler(lengths, 16, shuffle=True, seed=5, fit_capacity=4096)
+    assert fitted.fit_positions == 4096  # 16 x ~245 needs one micro-batch of 4,096
+    assert EpochBatchSampler(lengths, 40, True, 5, fit_capacity=4096).fit_positions == 3 * 4096  # 40 x ~245
+
+    def passes(batches: list[list[int]], capacity: int = 4096) -> int:
+        return sum(len(fill_micro_batches([lengths[i] for i in b], capacity)) for b in batches)
+
+    a, b = epoch_batches(plain, 1), epoch_batches(fitted, 1)
+    assert len(a) == len(b) == 40 and all(len(x) == 16 for x in b)
+    assert sorted(i for x in a for i in x) == sorted(i for x in b for i in x)  # the same samples this epoch
+    assert passes(b) <= 41 < passes(a)
+    assert epoch_batches(fitted, 1) == b and epoch_batches(fitted, 2) != b  # deterministic per epoch
+    for rank in range(2):  # each rank fits its own share of the epoch's permutation
+        share = epoch_batches(EpochBatchSampler(lengths, 8, True, 5, rank, 2, fit_capacity=2048), 1)
+        unfitted = epoch_batches(EpochBatchSampler(lengths, 8, True, 5, rank, 2), 1)
+        assert sorted(i for x in share for i in x) == sorted(i for x in unfitted for i in x)
+        assert passes(share, 2048) <= 41 < passes(unfitted, 2048)
+    # the position records the capacity: a resume under another one (other steps) is refused
+    state = fitted.position(1, 3)
+    assert state["fit_capacity"] == 4096
+    with pytest.raises(CheckpointError, match="fit_capacity"):
+        EpochBatchSampler(lengths, 16, True, 5, fit_capacity=4608).load_state_dict(state)
+    with pytest.raises(ValueError, match="lengths"):
+        EpochBatchSampler(640, 16, True, 5, fit_capacity=4096)
+
+
 def test_step_packed_collate_keeps_every_sample_and_its_loss_tokens():
     from litft.data import collate_packed, collate_step_packed
 

@@ -215,13 +215,15 @@ def test_memory_snapshot_is_cuda_only_and_the_cpu_run_says_so(tiny_recipe, capsy
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_pack_steps_runs_fewer_micro_batches_with_the_same_updates(tiny_recipe, tmp_path, method):
     """data.pack_steps fills micro-batches by positions: the same samples per step and the same normalisation by
-    the step's loss tokens, so the same losses and weights (fp32, no dropout: up to summation order)."""
+    the step's loss tokens, so the same losses and weights (fp32, no dropout: up to summation order). (Without
+    data.fit_steps, which would give the packed run other samples per step.)"""
     common = dict(method=method, lora={"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "v", "mlp"]},
                   eval={"initial": False, "final": True, "interval": 0},
                   train={"global_batch_size": 12, "micro_batch_size": 4, "max_steps": 5, "epochs": 2,
                          "warmup_steps": 1})
     runs = {flag: litft.finetune(tiny_recipe(**common, out_dir=str(tmp_path / str(flag)),
-                                             data={"pack_steps": flag, "max_seq_length": 96}))
+                                             data={"pack_steps": flag, "fit_steps": False,
+                                                   "max_seq_length": 96}))
             for flag in (False, True)}
     plain, packed = runs[False].result, runs[True].result
     # 37 samples: 9 micro-batches of 4 = 3 steps of 12 per epoch either way; 5 steps cross an epoch boundary
