@@ -630,6 +630,20 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-fit", "tiny-llama-qlora", GPU + steps(60)),
         ("fit-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
+    # Each step's loss read after the next step's forward and backward are queued, the update skipping itself on
+    # the device if it was not finite (fit's defer_reads), beside the code before (e83f63f, out/prev: read at once,
+    # a host-device sync before each update): LoRA twice each way, QLoRA and the full fine-tune once, and a profile.
+    "s20-defer": [
+        ("before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("after", "tiny-llama-lora", GPU + steps(60)),
+        ("before-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("after-again", "tiny-llama-lora", GPU + steps(60)),
+        ("qlora-before", "tiny-llama-qlora", GPU + steps(60), PREVIOUS),
+        ("qlora-after", "tiny-llama-qlora", GPU + steps(60)),
+        ("full-before", "tiny-llama-full", GPU + steps(30), PREVIOUS),
+        ("full-after", "tiny-llama-full", GPU + steps(30)),
+        ("after-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

@@ -381,6 +381,38 @@ def unwrap(model) -> torch.nn.Module:
     return module.gpt if isinstance(module, CausalLM) else module
 
 
+@dataclass
+class StepNumbers:
+    """One optimizer step's loss and gradient norm on their way to the host, with what the step trained on: read
+    by fit before the next update (see fit's defer_reads)."""
+
+    step: int
+    check: torch.Tensor
+    """[loss, gradient norm] (the loss twice without clipping): on the host once ``ready`` has passed."""
+    ready: Any
+    """A CUDA event recorded after the copy to the host, or None (the check is already on the host)."""
+    record: metrics.StepRecord
+    epoch: float
+    """Epochs done when the step's batches had been drawn (for the log row)."""
+
+    @classmethod
+    def of(cls, step: int, check: torch.Tensor, record: metrics.StepRecord, epoch: float) -> StepNumbers:
+        if check.device.type != "cuda":
+            return cls(step, check, None, record, epoch)
+        host = torch.empty(check.shape, dtype=check.dtype, pin_memory=True)
+        host.copy_(check, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(step, host, ready, record, epoch)
+
+    def read(self) -> tuple[float, float]:
+        """The loss and gradient norm (waits for the step to get that far on the device)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        loss_value, norm_value = self.check.tolist()
+        return loss_value, norm_value
+
+
 def fit(
     fabric, recipe, model, optimizer, scheduler, train_loader, train_sampler, val_loader, total_steps, flop_model,
     throughput, clock, writer, progress, losses, state, phases, out_dir, micro_step, profiler,
@@ -390,6 +422,57 @@ def fit(
     accum = recipe.grad_accum
     batches = micro_batches(train_loader, train_sampler, recipe.train.epochs, state, resumed=state["step"] > 0)
     mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
+    # A step's loss and gradient norm must be finite before the weights change. Read at once, they cost a host-device
+    # sync per step, and the GPU idles from the step's last kernel until the host has launched the update and the
+    # next step's work. A fused torch optimizer can instead skip its own update on the device (found_inf, as torch's
+    # GradScaler uses it): then step N's numbers are read after step N+1's forward and backward are queued and before
+    # step N+1's update, so a non-finite step still changes no weights and the GPU always has work queued. Steps that
+    # evaluate or save, and the last, are read at once (their numbers are needed before anything is written).
+    defer_reads = scales_in_step(fabric, getattr(optimizer, "optimizer", optimizer))
+    pending: StepNumbers | None = None  # a step whose numbers are not read yet
+
+    def read_step(numbers: StepNumbers) -> tuple[float, float]:
+        """A step's loss and gradient norm, stopping the run if either is not finite; counts the step."""
+        loss_value, norm_value = numbers.read()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            what = "loss" if not math.isfinite(loss_value) else "gradient norm"
+            raise NonFiniteLossError(
+                f"the {what} is {loss_value if what == 'loss' else norm_value} at step {numbers.step} (rank"
+                f" {fabric.global_rank}); stopped before the optimizer step, so the weights are those of step"
+                f" {numbers.step - 1}. Try a lower optimizer.init_args.lr (now {recipe.optimizer.init_args.get('lr')}),"
+                " train.max_grad_norm, or precision bf16-mixed/32-true"
+            )
+        throughput.add(numbers.record)
+        if losses["train_first"] is None:
+            losses["train_first"] = loss_value
+        losses["train_last"] = loss_value
+        return loss_value, norm_value
+
+    def log_step(numbers: StepNumbers, loss_value: float, norm_value: float, val_loss: float | None) -> None:
+        step = numbers.step
+        if step % recipe.logging.interval == 0 or step == total_steps or val_loss is not None:
+            clock.resolve()
+            recent = throughput.summary({s: clock.durations[s] for s in clock.durations if s > step - 10})
+            mem = metrics.memory_stats(fabric.device)
+            row = {
+                "step": step,
+                "epoch": numbers.epoch,
+                "loss": loss_value,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": norm_value if recipe.train.max_grad_norm is not None else None,
+                "step_time_s": clock.durations[step],
+                "tokens_per_sec": recent["tokens_per_sec"],
+                "tokens_real": numbers.record.tokens_real * fabric.world_size,
+                "peak_allocated_gib": mem["peak_allocated_gib"],
+                "peak_reserved_gib": mem["peak_reserved_gib"],
+                "mfu": recent["mfu"],
+            }
+            if val_loss is not None:
+                row["val_loss"] = val_loss
+            if writer is not None:
+                writer.write(row)
+            progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
+
     progress.start()
     while state["step"] < total_steps:
         step = state["step"] + 1
@@ -423,18 +506,21 @@ def fit(
         if fabric.world_size > 1:
             step_loss = fabric.all_reduce(step_loss, reduce_op="sum")
         check = torch.stack([step_loss, grad_norm.float() if grad_norm is not None else step_loss])
-        # One host-device sync per step: the loss (and grad norm) must be finite BEFORE the weights change.
-        # (Launching the update first, for a fused optimizer to skip on the device, measured no faster on the H100:
-        # benchmarks/results/overlap-tiny.)
-        loss_value, norm_value = check.tolist()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            what = "loss" if not math.isfinite(loss_value) else "gradient norm"
-            raise NonFiniteLossError(
-                f"the {what} is {loss_value if what == 'loss' else norm_value} at step {step} (rank"
-                f" {fabric.global_rank}); stopped before the optimizer step, so the weights are those of step"
-                f" {step - 1}. Try a lower optimizer.init_args.lr (now {recipe.optimizer.init_args.get('lr')}),"
-                " train.max_grad_norm, or precision bf16-mixed/32-true"
-            )
+        numbers = StepNumbers.of(step, check, metrics.StepRecord(
+            step=step,
+            tokens_real=sum(b["tokens_real"] for b in step_batches),
+            tokens_padded=sum(b["tokens_padded"] for b in step_batches),
+            samples=sum(b["samples"] for b in step_batches),
+            loss_tokens=sum(b["loss_tokens"] for b in step_batches),
+            flops=sum(flop_model.batch_flops(b["lengths"]) for b in step_batches),
+        ), epoch=state["epoch"] + state["batch_in_epoch"] / max(1, len(train_sampler)))
+        if pending is not None:  # the previous step, read while this step's work runs on the device
+            log_step(pending, *read_step(pending), val_loss=None)
+            pending = None
+        if defer_reads:  # the update skips itself on the device if this step's numbers are not finite
+            getattr(optimizer, "optimizer", optimizer).found_inf = (~torch.isfinite(check)).any().float()
+        else:
+            loss_value, norm_value = read_step(numbers)  # one host-device sync per step
         with mark("optimizer"):
             optimizer.step()
             # CUDA graphs add into the gradients' fixed addresses: zero them in place rather than free them
@@ -444,52 +530,25 @@ def fit(
         state["step"] = step
         profiler.after(step)
 
-        throughput.add(
-            metrics.StepRecord(
-                step=step,
-                tokens_real=sum(b["tokens_real"] for b in step_batches),
-                tokens_padded=sum(b["tokens_padded"] for b in step_batches),
-                samples=sum(b["samples"] for b in step_batches),
-                loss_tokens=sum(b["loss_tokens"] for b in step_batches),
-                flops=sum(flop_model.batch_flops(b["lengths"]) for b in step_batches),
-            )
-        )
-        if losses["train_first"] is None:
-            losses["train_first"] = loss_value
-        losses["train_last"] = loss_value
+        evaluates = bool(recipe.eval.interval and step % recipe.eval.interval == 0 and step < total_steps)
+        saves = bool(recipe.train.save_interval and step % recipe.train.save_interval == 0)
+        if defer_reads:
+            if not (evaluates or saves or step == total_steps):
+                pending = numbers
+                continue
+            loss_value, norm_value = read_step(numbers)
 
         val_loss = None
-        if recipe.eval.interval and step % recipe.eval.interval == 0 and step < total_steps:
+        if evaluates:
             with phases("eval"):
                 val_loss = evaluate(fabric, model, val_loader, recipe.eval.max_batches)
             progress.print(f"step {step}: val loss {val_loss:.4f}")
 
-        if recipe.train.save_interval and step % recipe.train.save_interval == 0:
+        if saves:
             with phases("save"):
                 save_training_state(fabric, recipe, model, optimizer, scheduler, train_sampler, state, losses, out_dir)
 
-        if step % recipe.logging.interval == 0 or step == total_steps or val_loss is not None:
-            clock.resolve()
-            recent = throughput.summary({s: clock.durations[s] for s in clock.durations if s > step - 10})
-            mem = metrics.memory_stats(fabric.device)
-            row = {
-                "step": step,
-                "epoch": state["epoch"] + state["batch_in_epoch"] / max(1, len(train_sampler)),
-                "loss": loss_value,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": norm_value if grad_norm is not None else None,
-                "step_time_s": clock.durations[step],
-                "tokens_per_sec": recent["tokens_per_sec"],
-                "tokens_real": throughput.records[-1].tokens_real * fabric.world_size,
-                "peak_allocated_gib": mem["peak_allocated_gib"],
-                "peak_reserved_gib": mem["peak_reserved_gib"],
-                "mfu": recent["mfu"],
-            }
-            if val_loss is not None:
-                row["val_loss"] = val_loss
-            if writer is not None:
-                writer.write(row)
-            progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
+        log_step(numbers, loss_value, norm_value, val_loss)
 
 
 COMPILE_PAYS_OFF_S = {"full": 40.0, "lora": 350.0, "qlora": 170.0}

@@ -1026,11 +1026,15 @@ def swiglu_lora_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
 if triton is not None:
 
     @triton.jit
-    def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, grad_scale_ptr, n, lr, beta1, beta2,
-                      eps, weight_decay, HAS_GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, grad_scale_ptr, found_inf_ptr, n, lr,
+                      beta1, beta2, eps, weight_decay, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                      BLOCK: tl.constexpr):
         # torch's fused AdamW update (aten _fused_adamw_) in fp32, each tensor stored back in its own dtype; the
-        # gradient divided by grad_scale (clipping) but not written back
+        # gradient divided by grad_scale (clipping) but not written back; nothing read or written where found_inf
+        # is nonzero (the step skipped, as torch's kernel skips it)
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if HAS_FOUND_INF:
+            n = tl.where(tl.load(found_inf_ptr) == 0.0, n, 0)
         inside = offsets < n
         step = tl.load(step_ptr).to(tl.float32)  # already counts this step
         bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))  # 1 - beta1 ** step
@@ -1063,14 +1067,15 @@ class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW (fused) whose step runs one Triton kernel per large parameter (ADAMW_TRITON_MIN_NUMEL) and
     torch's fused op over the rest: the same update, the same state (exp_avg, exp_avg_sq, a float32 step tensor on
     the device: checkpoints load into either class), and the same clipping hook (``grad_scale``, which the fused
-    kernel takes from torch's GradScaler and litft's clipping sets).
+    kernel takes from torch's GradScaler and litft's clipping sets) and the same skip hook (``found_inf``: nonzero,
+    the step changes nothing; litft's loop sets it where it reads a step's loss after the update is launched).
 
     Why: with a grad_scale, torch's fused kernel writes every gradient back divided. A bf16 parameter then costs 16
     bytes of memory traffic per step (param, grad, two moments read; all four written) where the update needs 14
     (the gradient only read): TinyLlama full fine-tune, 1.1e9 x 16 B = 17.6 GB, which torch's kernel ran in 8.6 ms
     on the H100 (2.0 TB/s), the Triton kernel in 5.7 ms (benchmarks/results/adamw-ab). Used for torch.optim.AdamW
     recipes under train.triton_kernels on CUDA, one device or DDP (whole parameters on each rank); amsgrad,
-    maximize, a tensor lr and fp16 loss scaling (found_inf) run torch's step."""
+    maximize and a tensor lr run torch's step."""
 
     def __init__(self, params, **kwargs) -> None:
         kwargs["fused"] = True  # torch's checks for fused (CUDA floating-point parameters) and its grad_scale hook
@@ -1078,12 +1083,12 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        plain = (closure is None and getattr(self, "found_inf", None) is None
+        plain = (closure is None
                  and not any(g["amsgrad"] or g["maximize"] or isinstance(g["lr"], torch.Tensor)
                              for g in self.param_groups))
         if not plain:
             return super().step(closure)
-        grad_scale = getattr(self, "grad_scale", None)
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
@@ -1094,36 +1099,43 @@ class AdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if not params:
                 continue
-            torch._foreach_add_([self.state[p]["step"] for p in params], 1)
+            steps = [self.state[p]["step"] for p in params]
+            torch._foreach_add_(steps, 1)
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
             small: dict[tuple, list[torch.Tensor]] = {}
             for p in params:
                 state = self.state[p]
                 if p.numel() >= ADAMW_TRITON_MIN_NUMEL and p.is_contiguous() and p.grad.is_contiguous():
-                    adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], grad_scale, **hyper)
+                    adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], grad_scale, **hyper,
+                                found_inf=found_inf)
                 else:
                     small.setdefault((p.device, p.dtype), []).append(p)
             for same in small.values():  # what torch's fused AdamW runs (it writes these gradients back divided)
                 states = [self.state[p] for p in same]
                 torch._fused_adamw_(same, [p.grad for p in same], [s["exp_avg"] for s in states],
                                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-                                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=None, **hyper)
+                                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+            if found_inf is not None:  # a skipped step does not count (as torch's fused AdamW undoes its count)
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
         return None
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 step: torch.Tensor, grad_scale: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float) -> None:
+                weight_decay: float, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW update of ``param`` in place (and of its moments), as torch's fused AdamW does it: ``step`` (a
-    1-element tensor) already counts this step; the gradient is divided by ``grad_scale`` when given (both read on
-    the device: no host sync). All four tensors contiguous and of one shape."""
+    1-element tensor) already counts this step; the gradient is divided by ``grad_scale`` when given; nothing changes
+    where ``found_inf`` (a 1-element float tensor) is nonzero (all read on the device: no host sync). All four
+    tensors contiguous and of one shape."""
     for t in (param, grad, exp_avg, exp_avg_sq):
         assert t.is_contiguous() and t.shape == param.shape
     n = param.numel()
     _adamw_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step, n, lr, beta1, beta2,
-        eps, weight_decay, HAS_GRAD_SCALE=grad_scale is not None, BLOCK=_ELEMENTWISE_BLOCK, num_warps=8)
+        param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step,
+        found_inf if found_inf is not None else step, n, lr, beta1, beta2, eps, weight_decay,
+        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, BLOCK=_ELEMENTWISE_BLOCK,
+        num_warps=8)
 
 
 @functools.lru_cache(maxsize=None)

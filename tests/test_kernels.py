@@ -245,13 +245,15 @@ def test_kernels_take_only_cuda_tensors():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_norm", [None, 0.05])
-def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, monkeypatch):
+@pytest.mark.parametrize("skip", [False, True])
+def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, skip, monkeypatch):
     """kernels.AdamW against torch.optim.AdamW(fused=True), the weights through the Triton kernel and the biases
     through torch's fused op (the size threshold lowered): three steps with weight decay, a learning rate changed
     between steps (as the scheduler does) and the same gradients (of magnitudes 1e-6 to 1), clipped through
-    grad_scale (litft's clip_gradients) or not. Equal parameters and moments (fp32: to a few units of the last
-    place; bf16: within a bf16 step), the Triton kernel's gradients left as they were (torch's kernel writes them
-    back divided), and a state_dict that torch's AdamW loads and steps on from."""
+    grad_scale (litft's clip_gradients) or not, and with ``skip`` the middle step skipped on the device (found_inf
+    1, the others 0, as litft's loop sets it). Equal parameters and moments (fp32: to a few units of the last
+    place; bf16: within a bf16 step), the skipped step changing nothing, the Triton kernel's gradients left as they
+    were (torch's kernel writes them back divided), and a state_dict that torch's AdamW loads and steps on from."""
     import lightning as L
 
     from litft.finetune import clip_gradients
@@ -278,12 +280,18 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, monke
                 p.grad = gradient(p, step)
             if max_norm is not None:
                 clip_gradients(fabric, model, optimizer, max_norm)
+            if skip:
+                optimizer.optimizer.found_inf = torch.tensor(float(step == 1), device=device)
+            before = [p.detach().clone() for p in model.parameters()]
             optimizer.step()
+            if skip and step == 1:
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+                assert all(float(s["step"]) == 1 for s in optimizer.optimizer.state.values())
             if cls is kernels.AdamW:  # the Triton kernel's gradients as they were (torch's op divides the others)
                 assert all(torch.equal(p.grad, gradient(p, step)) for p in model.parameters() if p.numel() >= 1000)
             optimizer.zero_grad()
         results.append(([p.detach().clone() for p in model.parameters()], optimizer.state_dict()))
-    assert sorted(set(launched)) == [4800, 6000] and len(launched) == 3 * 2
+    assert sorted(set(launched)) == [4800, 6000] and len(launched) == 3 * 2  # a skipped step launches too
     (params, state), (ref_params, ref_state) = results
     # bf16: Triton's interpreter (the CPU variant) rounds fp32 to bf16 toward zero, the GPU to nearest as torch does:
     # a bf16 step (2^-8 relative) per rounding there, over three steps
@@ -298,7 +306,7 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, monke
         else:  # and weights that cross 0: a bf16 step of the ~0.25 they started from (Linear(16, .)'s init) is 2^-10
             torch.testing.assert_close(p.float(), ref.float(), rtol=bf16_rtol, atol=1e-3)
     for index, ref in ref_state["state"].items():
-        assert state["state"][index]["step"].item() == ref["step"].item() == 3
+        assert state["state"][index]["step"].item() == ref["step"].item() == (2 if skip else 3)
         check(state["state"][index]["exp_avg"], ref["exp_avg"])
         check(state["state"][index]["exp_avg_sq"], ref["exp_avg_sq"])
     # the state loads into torch's AdamW, which steps on from it
@@ -310,7 +318,7 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, monke
     torch_adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
     torch_adamw.load_state_dict(state)
     torch_adamw.step()
-    assert all(s["step"].item() == 4 for s in torch_adamw.state.values())
+    assert all(s["step"].item() == (3 if skip else 4) for s in torch_adamw.state.values())
 
 
 def _lora_mask(rows: int, k: int, p: float, seed: torch.Tensor, device) -> torch.Tensor:

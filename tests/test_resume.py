@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import litft
-from litft.checkpoint import committed_checkpoints
+from litft.checkpoint import committed_checkpoints, load_checkpoint
 from litft.errors import CheckpointError, ConfigError, NonFiniteLossError, OutOfMemoryError
 
 
@@ -135,6 +135,45 @@ def test_non_finite_loss_stops_before_the_update_with_step_and_rank(tiny_recipe)
     assert "at step 2 (rank 0)" in message and "weights are those of step 1" in message
     out_dir = litft.recipe.resolve_path(recipe.out_dir)
     assert [p.name for p in committed_checkpoints(out_dir)] == ["step-000001"]  # no checkpoint of the bad state
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_non_finite_step_read_after_its_update_was_launched_changes_no_weights(tiny_recipe, tmp_path, monkeypatch,
+                                                                                 device):
+    """A fused optimizer lets the loop read step N's loss after launching step N's update (which skips itself on
+    the device through found_inf) and step N+1's forward and backward: the run still stops at step 2 with the
+    weights of step 1, those a run that reads every step at once saved at step 1 (on CUDA: bf16-true, the step's
+    numbers copied to the host behind an event, the micro-batches replayed as CUDA graphs)."""
+    finetune_module = sys.modules["litft.finetune"]  # the module (litft.finetune is its function)
+
+    def recipe(save_interval):
+        return tiny_recipe(
+            method="full", optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 1e30, "fused": True}},
+            out_dir=str(tmp_path / f"save-{save_interval}"), accelerator=device,
+            precision="bf16-true" if device == "cuda" else "32-true",
+            train={"max_steps": 4, "save_interval": save_interval, "max_grad_norm": None},
+            eval={"initial": False, "interval": 0},
+        )
+
+    with pytest.raises(NonFiniteLossError):  # a save every step: every step read at once
+        litft.finetune(recipe(save_interval=1))
+    saved = load_checkpoint(committed_checkpoints(litft.recipe.resolve_path(recipe(1).out_dir))[0])["trainable"]
+
+    seen = {}
+    real_fit = finetune_module.fit
+
+    def fit(fabric, recipe, model, optimizer, *args, **kwargs):
+        seen["model"], seen["optimizer"] = model, optimizer
+        return real_fit(fabric, recipe, model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(finetune_module, "fit", fit)
+    with pytest.raises(NonFiniteLossError) as info:
+        litft.finetune(recipe(save_interval=None))
+    assert "at step 2 (rank 0)" in str(info.value) and "weights are those of step 1" in str(info.value)
+    inner = getattr(seen["optimizer"], "optimizer", seen["optimizer"])
+    assert float(inner.found_inf) == 1.0  # the update of step 2 was launched, told to skip itself
+    weights = dict(finetune_module.unwrap(seen["model"]).named_parameters())
+    assert saved and all(torch.equal(weights[name].detach().cpu(), value) for name, value in saved.items())
 
 
 def test_data_errors_exit_5_with_file_and_line_before_anything_is_written(tiny_checkpoint_dir, tmp_path, capsys):
