@@ -644,8 +644,9 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-after", "tiny-llama-full", GPU + steps(30)),
         ("after-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
-    # The same pairs over 200 steps (3.4 epochs), for the wall time of the whole loop (phases_s.train), where the
-    # first steps and the end weigh little: s20-defer's event-timed steps gained 4.5-6.9%, its 60-step loops 1.3%.
+    # Meant as the same pairs over 200 steps, for the wall time of the whole loop (phases_s.train) with the first
+    # steps weighing less (s20-defer's event-timed steps gained 4.5-6.9%, its 60-step loops 1.3%); but the recipes'
+    # train.epochs 1 stops them after one epoch (59 steps), so as run (call 5 of session 20) it repeated s20-defer.
     "s20-wall": [
         ("before", "tiny-llama-lora", GPU + steps(200), PREVIOUS),
         ("after", "tiny-llama-lora", GPU + steps(200)),
