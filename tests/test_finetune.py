@@ -285,7 +285,7 @@ def test_fused_adamw_becomes_the_triton_step_only_where_asked(tiny_recipe):
     assert type(build_optimizer(sgd, model, True)) is torch.optim.SGD
 
 
-def test_a_run_records_which_optimizer_implementation_it_used(tiny_recipe):
+def test_a_run_records_which_optimizer_implementation_it_used(tiny_recipe, capsys):
     """result.json and the run's log say which implementation the optimizer's step ran: the CPU run gets torch's
     default, a CUDA run fused (test_torch_optimizers_are_fused_on_cuda_unless_the_recipe_chose)."""
     result = litft.finetune(tiny_recipe(method="lora"))
@@ -296,6 +296,14 @@ def test_a_run_records_which_optimizer_implementation_it_used(tiny_recipe):
                                        optimizer={"class_path": "torch.optim.AdamW",
                                                   "init_args": {"lr": 1e-3, "foreach": True}}))
     assert chose["optimizer"]["implementation"] == "foreach"
+    # only a fused optimizer can skip a non-finite update on the device, so only it lets the loss be read late
+    assert result["loss_read"] == chose["loss_read"] == "before each update"
+    capsys.readouterr()
+    fused = litft.finetune(tiny_recipe(method="lora", out_dir=str(result.out_dir) + "-fused",
+                                       optimizer={"class_path": "torch.optim.AdamW",
+                                                  "init_args": {"lr": 1e-3, "fused": True}}))
+    assert fused["optimizer"]["implementation"] == "fused" and fused["loss_read"] == "a step late"
+    assert "each step's loss read a step late" in capsys.readouterr().out
 
 
 def clip_then_step(device: str, max_norm: float, clip_in_step: bool, dtype: torch.dtype = torch.float32):
