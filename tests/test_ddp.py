@@ -34,6 +34,20 @@ def test_two_ranks_train_like_one_device_accumulating(tmp_path, pack_steps):
     assert result["throughput"]["tokens_real"] == single["throughput"]["tokens_real"]
 
 
+def test_two_ranks_reading_each_loss_a_step_late_train_like_one_device(tmp_path):
+    """With a fused optimizer each rank reads step N's loss (all-reduced over the ranks) after step N+1's forward and
+    backward are queued, the update told to skip itself through found_inf: 2 ranks still make the updates of 1
+    device accumulating 2 micro-batches, and every step is logged once, in order."""
+    fused = ["--optimizer.fused", "true"]
+    one = _finetune(tmp_path / "one", "--devices", "1", "--train.micro_batch_size", "8", *fused)
+    two = _finetune(tmp_path / "two", "--devices", "2", "--train.micro_batch_size", "8", *fused)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    for run in ("one", "two"):
+        result = json.loads((tmp_path / run / "result.json").read_text())
+        assert result["loss_read"] == "a step late" and result["optimizer"]["implementation"] == "fused"
+
+
 def test_two_ranks_spawned_from_python_return_the_figures(tmp_path):
     """From Python (a notebook) Fabric spawns the ranks; rank 0's figures come back, the model stays on disk."""
     import litft

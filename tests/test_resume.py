@@ -176,6 +176,28 @@ def test_a_non_finite_step_read_after_its_update_was_launched_changes_no_weights
     assert saved and all(torch.equal(weights[name].detach().cpu(), value) for name, value in saved.items())
 
 
+def test_a_step_read_late_logs_what_a_step_read_at_once_logs(tiny_recipe, tmp_path):
+    """The rows of metrics.jsonl are the same whether each step's numbers are read a step late (a fused optimizer,
+    no saves) or at once (the same optimizer, a save every step): loss, lr, gradient norm, epoch, tokens, per step."""
+    def run(save_interval):
+        return litft.finetune(tiny_recipe(
+            method="lora", optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3, "fused": True}},
+            train={"max_steps": 4, "save_interval": save_interval, "keep_last_n": 10},
+            eval={"initial": False, "interval": 0}, logging={"interval": 1},
+            out_dir=str(tmp_path / f"save-{save_interval}"),
+        ))
+
+    late, at_once = run(None), run(1)
+    assert late["loss_read"] == at_once["loss_read"] == "a step late"  # the optimizer's way; saves read at once
+    keys = ("step", "loss", "lr", "grad_norm", "epoch", "tokens_real")
+    rows = []
+    for r in (late, at_once):
+        logged = [json.loads(line) for line in (r.out_dir / "metrics.jsonl").read_text().splitlines()]
+        rows.append([{k: row[k] for k in keys} for row in logged if "loss" in row])
+    assert [row["step"] for row in rows[0]] == [1, 2, 3, 4]  # steps 1-3 read late in the first run
+    assert rows[0] == rows[1]
+
+
 def test_data_errors_exit_5_with_file_and_line_before_anything_is_written(tiny_checkpoint_dir, tmp_path, capsys):
     from litft.cli import main
 
