@@ -654,24 +654,22 @@ def fit_steps(order: list[int], lengths: Sequence[int], group: int, capacity: in
     steps overflowed, and 5-step intervals that held overflowing steps took ~10 ms more per step than those of
     about as many tokens that did not (benchmarks/results/s19-stack, metrics.jsonl; s16-tiny's 4,608 capacity
     cut overflow to ~5% of steps and ~1 GiB more reserved memory). Fitted, ~1% of steps overflow."""
-    queue = list(order)
-    fitted: list[int] = []
-    while queue:
-        step, queue = queue[:group], queue[group:]
-        total = sum(lengths[i] for i in step)
+    order = list(order)
+    for start in range(0, len(order), group):
+        end = min(start + group, len(order))
+        total = sum(lengths[i] for i in order[start:end])
         while total > capacity:
-            longest = max(range(len(step)), key=lambda j: lengths[step[j]])
-            fits = lengths[step[longest]] - (total - capacity)  # a sample at most this long makes the step fit
-            ahead = queue[:window]
-            swap = next((k for k, i in enumerate(ahead) if lengths[i] <= fits), None)
+            longest = max(range(start, end), key=lambda j: lengths[order[j]])
+            fits = lengths[order[longest]] - (total - capacity)  # a sample at most this long makes the step fit
+            ahead = range(end, min(end + window, len(order)))
+            swap = next((k for k in ahead if lengths[order[k]] <= fits), None)
             if swap is None:  # none fits it at once: the shortest ahead, if shorter, and try again
-                swap = min(range(len(ahead)), key=lambda k: lengths[ahead[k]], default=None)
-                if swap is None or lengths[ahead[swap]] >= lengths[step[longest]]:
+                swap = min(ahead, key=lambda k: lengths[order[k]], default=None)
+                if swap is None or lengths[order[swap]] >= lengths[order[longest]]:
                     break
-            total += lengths[queue[swap]] - lengths[step[longest]]
-            step[longest], queue[swap] = queue[swap], step[longest]
-        fitted += step
-    return fitted
+            total += lengths[order[swap]] - lengths[order[longest]]
+            order[longest], order[swap] = order[swap], order[longest]
+    return order
 
 
 class EpochBatchSampler(Sampler[list[int]]):
@@ -733,11 +731,11 @@ class EpochBatchSampler(Sampler[list[int]]):
         if fit_capacity is not None and isinstance(lengths_or_n, int):
             raise ValueError("fit_capacity needs the samples' lengths, not their number")
         self.fit_capacity = fit_capacity
-        self.lengths = None if isinstance(lengths_or_n, int) else [int(n) for n in lengths_or_n]
+        self.lengths = None if fit_capacity is None else [int(length) for length in lengths_or_n]  # fit_steps reads
         self.fit_positions: int | None = None
         """What each micro-batch's samples are fitted to (fit_steps): as many fit_capacity micro-batches as the
         data's mean length needs for micro_batch_size samples (one for 16 samples of mean 245 in 4,096)."""
-        if fit_capacity is not None and n > 0:
+        if self.lengths:
             mean = sum(self.lengths) / n
             self.fit_positions = fit_capacity * max(1, math.ceil(micro_batch_size * mean / fit_capacity))
         if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from litft import kernels, metrics
+from litft.data import GRAPH_MULTIPLE
 from litft.errors import ConfigError, DataError, LitftError, NonFiniteLossError, OutOfMemoryError
 from litft.model import (
     CausalLM,
@@ -437,6 +438,7 @@ def fit(
     # step (benchmarks/results/s20-defer, s20-wall). Session 8's eager steps, host-bound, had gained nothing from
     # launching the update first (overlap-tiny).
     pending: StepNumbers | None = None  # a step whose numbers are not read yet
+    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric wraps the torch optimizer, which takes found_inf
 
     def read_step(numbers: StepNumbers) -> tuple[float, float]:
         """A step's loss and gradient norm, stopping the run if either is not finite; counts the step."""
@@ -526,7 +528,7 @@ def fit(
             log_step(pending, *read_step(pending), val_loss=None)
             pending = None
         if defer_reads:  # the update skips itself on the device if this step's numbers are not finite
-            getattr(optimizer, "optimizer", optimizer).found_inf = (~torch.isfinite(check)).any().float()
+            inner.found_inf = (~torch.isfinite(check)).any().float()
         else:
             loss_value, norm_value = read_step(numbers)  # one host-device sync per step
         with mark("optimizer"):
@@ -676,8 +678,6 @@ class GraphedMicroSteps:
         data.pack_steps (capacity / GRAPH_MULTIPLE), at least UPFRONT_SHAPES. With 16 only, a 4,608-position
         capacity left 2 of its 18 widths to be captured during training, and the 60-step runs that met them ran at
         ~60,000 real tok/s for those intervals against ~69,000 (benchmarks/results/s16-tiny, lora-4608)."""
-        from litft.data import GRAPH_MULTIPLE
-
         widths = -(-step_capacity // GRAPH_MULTIPLE) if step_capacity else 0
         return max(cls.UPFRONT_SHAPES, widths)
 
