@@ -635,8 +635,8 @@ def choose_pad_id(tokenizer: Tokenizer) -> int:
 
 
 FIT_WINDOW = 64
-"""How far ahead in an epoch's order :func:`fit_steps` looks for a sample to swap in (the simulated share of steps
-left over capacity: 0.5-0.9% for windows of 16-128 on the benchmark's lengths)."""
+"""How far ahead in an epoch's order :func:`fit_steps` looks for a sample to swap in (with 64, none of the 60
+TinyLlama LoRA steps of benchmarks/results/s20-fit overflowed its micro-batch)."""
 
 
 def fit_steps(order: list[int], lengths: Sequence[int], group: int, capacity: int,
@@ -650,10 +650,11 @@ def fit_steps(order: list[int], lengths: Sequence[int], group: int, capacity: in
 
     Why: a packed step is one micro-batch when its samples fit the capacity and two when they overflow it, and the
     second, short one (a few hundred positions) runs every kernel of a micro-batch for few positions. On the H100
-    (TinyLlama LoRA, 16 Alpaca-like samples of mean 245 tokens per step, 4,096 positions per micro-batch) ~26% of
-    steps overflowed, and 5-step intervals that held overflowing steps took ~10 ms more per step than those of
-    about as many tokens that did not (benchmarks/results/s19-stack, metrics.jsonl; s16-tiny's 4,608 capacity
-    cut overflow to ~5% of steps and ~1 GiB more reserved memory). Fitted, ~1% of steps overflow."""
+    (TinyLlama LoRA, 16 Alpaca-like samples of mean 245 tokens per step, 4,096 positions per micro-batch) 16 of 60
+    steps overflowed (76 micro-batches, benchmarks/results/s20-fit), and 5-step intervals that held overflowing
+    steps took ~10 ms more per step than those of about as many tokens that did not (s19-stack, metrics.jsonl;
+    s16-tiny's 4,608 capacity cut overflow to 7% of steps, at ~1 GiB more reserved memory). Fitted, none of the 60
+    overflowed (60 micro-batches)."""
     order = list(order)
     for start in range(0, len(order), group):
         end = min(start + group, len(order))

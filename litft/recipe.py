@@ -129,9 +129,9 @@ class DataConfig:
     """Positions per micro-batch under data.pack_steps (null: micro_batch_size x max_seq_length): sets peak activation
     memory (TinyLlama LoRA: ~1.1 MiB per position) apart from the sample count. A step whose samples overflow it
     takes one more, short micro-batch: 16 Alpaca-like samples (mean 245 tokens) in shuffled order overflow 4,096
-    positions in ~26-32% of steps, 4,608 in ~5-7% (data.fit_steps brings 4,096 to ~1%). TinyLlama LoRA at 4,608 took
-    1.0 GiB more reserved memory on the H100 (benchmarks/results/s16-tiny), so the recipes leave it null. Must be at
-    least data.max_seq_length; needs data.packing and data.pack_steps."""
+    positions in 27-32% of steps, 4,608 in 7% (s16-tiny; s20-fit: 16 of 60 steps; with data.fit_steps none of
+    them). TinyLlama LoRA at 4,608 took 1.0 GiB more reserved memory on the H100 (benchmarks/results/s16-tiny), so
+    the recipes leave it null. Must be at least data.max_seq_length; needs data.packing and data.pack_steps."""
 
     fit_steps: bool = True
     """Under data.pack_steps: arrange each epoch's shuffled samples so that each step's samples fit in as few
