@@ -6,7 +6,8 @@
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps) |
 #          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward) |
 #          lora-kernels (benchmarks/lora_kernel_bench.py: LoRA's A side, fused kernels against the torch ops) |
-#          lora-mlp (benchmarks/lora_mlp_bench.py: the LoRA MLP's middle, FusedLoRAMLP's kernels against the layers apart)
+#          lora-mlp (benchmarks/lora_mlp_bench.py: the LoRA MLP's middle, FusedLoRAMLP's kernels against the layers apart) |
+#          lora-up (benchmarks/lora_up_bench.py: LoRA's B side, kernels.lora_up_ / lora_up_backward against cuBLAS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TORCH_LOGS=recompiles,graph_breaks
 BUDGET=${BUDGET:-540}   # seconds for all steps: the tarball below must still be written inside the call's limit
@@ -42,6 +43,8 @@ for step in "$@"; do
                   tail -12 "$OUT/lora-kernels.log" ;;
     lora-mlp) timeout "$left" python3 benchmarks/lora_mlp_bench.py ${MLP_SWEEP:+--sweep} --out "$OUT/lora-mlp.md" > "$OUT/lora-mlp.log" 2>&1 || status=1
               tail -12 "$OUT/lora-mlp.log" ;;
+    lora-up) timeout "$left" python3 benchmarks/lora_up_bench.py --out "$OUT/lora-up.md" > "$OUT/lora-up.log" 2>&1 || status=1
+             tail -12 "$OUT/lora-up.log" ;;
     attention) timeout "$left" python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1 || status=1
                tail -20 "$OUT/attention.log" ;;
     *) echo "unknown step $step"; status=1 ;;
@@ -53,5 +56,5 @@ done
 # which would push the tracked tree plus the carried wheels over the device tool's 64 MiB once committed)
 tar czf "$RESULTS/results.tgz" -C "$OUT" --exclude='*.tfevents*' --exclude='*.pth*' --exclude='*.lora' --exclude='*.pickle' \
   --exclude='*/final/tokenizer.json' --exclude='profile' . 2>/dev/null
-cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/attention.md "$OUT"/lora-kernels.md "$OUT"/lora-mlp.md "$OUT"/vs-litgpt/*.md "$OUT"/vs-litgpt-7b/*.md > "$RESULTS/summary.md" 2>/dev/null
+cat "$OUT"/env.txt "$OUT"/*/*.md "$OUT"/host-*.log "$OUT"/attention.md "$OUT"/lora-kernels.md "$OUT"/lora-mlp.md "$OUT"/lora-up.md "$OUT"/vs-litgpt/*.md "$OUT"/vs-litgpt-7b/*.md > "$RESULTS/summary.md" 2>/dev/null
 exit $status

@@ -652,6 +652,46 @@ def add_low_rank_parts_(pretrained: torch.Tensor, after_a: torch.Tensor, lora_b:
     return pretrained
 
 
+# The Fused* layers run B's side in Triton (kernels.lora_up_ / lora_up_backward) for layers of at least this many
+# parts: measured on the H100 (benchmarks/results/lora-up-s21.md, 4,096 rows, R 32) ... (set after the measurement)
+TRITON_B_SIDE_MIN_PARTS = 1
+
+
+def _b_side_bounds(parts: tuple, width: int) -> tuple[tuple[int, int, int, int], ...]:
+    """lora_parts' slices as kernels.lora_up_'s parts: (first output column, end column, first row of B, first
+    column of the A output), for an output ``width`` columns wide."""
+    bounds = []
+    for columns, b_rows, a_columns in parts:
+        start, end, _ = columns.indices(width)
+        bounds.append((start, end, b_rows.start or 0, a_columns.start or 0))
+    return tuple(bounds)
+
+
+def _triton_b_side(t: torch.Tensor, parts: tuple) -> bool:
+    return kernels.available(t) and len(parts) >= TRITON_B_SIDE_MIN_PARTS
+
+
+def low_rank_add_(pretrained: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                  parts: tuple) -> torch.Tensor:
+    """B's half of a Fused* layer's forward pass, pretrained += s after_a B^T part by part, in place: one Triton
+    launch for every part on CUDA (:data:`TRITON_B_SIDE_MIN_PARTS`), else :func:`add_low_rank_parts_`'s matmuls."""
+    if _triton_b_side(pretrained, parts):
+        return kernels.lora_up_(pretrained, after_a, lora_b, scale, _b_side_bounds(parts, pretrained.shape[1]))
+    return add_low_rank_parts_(pretrained, after_a, lora_b, scale, parts)
+
+
+def low_rank_backward(grad: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float, parts: tuple,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """B's half of a Fused* layer's backward pass, as :func:`_low_rank_b_backward` (B's gradient added into .grad,
+    the A output's gradient returned, into ``out`` if given): two Triton launches and an add of partial sums on
+    CUDA (:data:`TRITON_B_SIDE_MIN_PARTS`), else its matmuls."""
+    if not _triton_b_side(grad, parts):
+        return _low_rank_b_backward(grad, after_a, lora_b, scale, parts, out)
+    zero_grads_if_missing(lora_b)
+    return kernels.lora_up_backward(grad, after_a, lora_b, scale, _b_side_bounds(parts, grad.shape[1]), lora_b.grad,
+                                    out=out)
+
+
 class LowRankUpdate(torch.autograd.Function):
     """The adapters' half of a LoRA layer with their gradients added into .grad by the backward matmuls
     (train.grad_into_weights for LoRA and QLoRA): pretrained += s (dropped A^T) B_p^T for each part p, a block of
@@ -747,7 +787,7 @@ class FusedLoRA(torch.autograd.Function):
                 gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
         pretrained = linear(x)
         after_a = kernels.lora_down(x, lora_a, p, seed, salt)  # (tokens, r x parts), dropout(x) A^T
-        add_low_rank_parts_(pretrained, after_a, lora_b, scale, parts)
+        low_rank_add_(pretrained, after_a, lora_b, scale, parts)
         # x = silu(gate) * up (the MLP's proj after the SwiGLU kernel): keep the two inputs, which SwiGLU keeps too,
         # and rebuild x in the backward kernel, rather than keep x as well
         ctx.save_for_backward(up if gate is not None else x, gate, after_a, seed)
@@ -760,7 +800,7 @@ class FusedLoRA(torch.autograd.Function):
         x, gate, after_a, seed = ctx.saved_tensors  # gate None: x is the layer's input itself
         lora_a, lora_b, scale = ctx.lora_a, ctx.lora_b, ctx.scale
         grad = grad.contiguous()
-        grad_after_a = _low_rank_b_backward(grad, after_a, lora_b, scale, ctx.parts)
+        grad_after_a = low_rank_backward(grad, after_a, lora_b, scale, ctx.parts)
         input_grad = ctx.needs_input_grad[0]
         zero_grads_if_missing(lora_a)
         grad_x, _ = kernels.lora_down_backward(
@@ -803,8 +843,8 @@ class FusedLoRAPair(torch.autograd.Function):
         gate, up = first.linear(x), second.linear(x)
         after_a = kernels.lora_down(x, lora_a, p, seed, salt, a2=lora_a2, salt2=salt2)  # (tokens, 2 r)
         r = lora_a.shape[0]
-        add_low_rank_parts_(gate, after_a[:, :r], lora_b, first.scaling, lora_parts(first))
-        add_low_rank_parts_(up, after_a[:, r:], lora_b2, second.scaling, lora_parts(second))
+        low_rank_add_(gate, after_a[:, :r], lora_b, first.scaling, lora_parts(first))
+        low_rank_add_(up, after_a[:, r:], lora_b2, second.scaling, lora_parts(second))
         ctx.save_for_backward(x, after_a, seed)
         ctx.first, ctx.second, ctx.p, ctx.salt, ctx.salt2 = first, second, p, salt, salt2
         ctx.adapters = (lora_a, lora_b, lora_a2, lora_b2)  # parameters: reach their .grad
@@ -818,10 +858,10 @@ class FusedLoRAPair(torch.autograd.Function):
         grad_gate, grad_up = grad_gate.contiguous(), grad_up.contiguous()
         r = lora_a.shape[0]
         grad_after_a = torch.empty_like(after_a)
-        _low_rank_b_backward(grad_gate, after_a[:, :r], lora_b, first.scaling, lora_parts(first),
-                             out=grad_after_a[:, :r])
-        _low_rank_b_backward(grad_up, after_a[:, r:], lora_b2, second.scaling, lora_parts(second),
-                             out=grad_after_a[:, r:])
+        low_rank_backward(grad_gate, after_a[:, :r], lora_b, first.scaling, lora_parts(first),
+                          out=grad_after_a[:, :r])
+        low_rank_backward(grad_up, after_a[:, r:], lora_b2, second.scaling, lora_parts(second),
+                          out=grad_after_a[:, r:])
         zero_grads_if_missing(lora_a, lora_a2)
         input_grad = ctx.needs_input_grad[0]
         frozen = (_frozen_input_grad(second.linear, grad_up, into=_frozen_input_grad(first.linear, grad_gate))
@@ -890,7 +930,7 @@ class FusedLoRAMLP(torch.autograd.Function):
         out, after_proj_a = kernels.swiglu_lora_forward(gate, up, after_a, lora_b1, lora_b2, fc_1.scaling,
                                                         fc_2.scaling, lora_a3, p, seed, salts[2])
         y = proj.linear(out)
-        add_low_rank_parts_(y, after_proj_a, lora_b3, proj.scaling, lora_parts(proj))
+        low_rank_add_(y, after_proj_a, lora_b3, proj.scaling, lora_parts(proj))
         ctx.save_for_backward(x, gate, up, after_a, after_proj_a, seed)
         ctx.mlp, ctx.p, ctx.salts = mlp, p, salts
         ctx.adapters = (lora_a1, lora_b1, lora_a2, lora_b2, lora_a3, lora_b3)  # parameters: reach their .grad
@@ -903,7 +943,7 @@ class FusedLoRAMLP(torch.autograd.Function):
         lora_a1, lora_b1, lora_a2, lora_b2, lora_a3, lora_b3 = ctx.adapters
         zero_grads_if_missing(*ctx.adapters)
         grad = grad.contiguous()
-        grad_after_proj_a = _low_rank_b_backward(grad, after_proj_a, lora_b3, proj.scaling, lora_parts(proj))
+        grad_after_proj_a = low_rank_backward(grad, after_proj_a, lora_b3, proj.scaling, lora_parts(proj))
         grad_gate_up = torch.empty((gate.shape[0], 2 * gate.shape[1]), dtype=gate.dtype, device=gate.device)
         grad_gate, grad_up = kernels.swiglu_lora_backward(
             _frozen_input_grad(proj.linear, grad), gate, up, after_a, lora_b1, lora_b2, fc_1.scaling, fc_2.scaling,

@@ -201,16 +201,22 @@ class _FixedMask(torch.nn.Module):
         return x * self.mask.view(x.shape) / (1 - self.p)
 
 
+@pytest.mark.parametrize("b_side", ["matmuls", "triton"])
 @pytest.mark.parametrize("layer_kind", ["linear", "linear-nf4", "qkv-q-k-v", "qkv-k"])
-def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, layer_kind):
+def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, layer_kind, b_side, monkeypatch):
     """model.FusedLoRA (the dropout inside kernels.lora_down, the input gradient written once) gives LitGPT's
     LoRALinear / LoRAQKVLinear output and gradients (x, A, B) when LitGPT's dropout applies the mask the kernels draw
     from the same seed; also over a 4-bit base (bitsandbytes' nf4 layer on the CPU, its input gradient through the
-    dequantized weight as bitsandbytes' own backward computes it). fp32, Triton's interpreter on the CPU."""
+    dequantized weight as bitsandbytes' own backward computes it). B's side by the matmuls, or by its Triton kernels
+    (kernels.lora_up_ / lora_up_backward, as on CUDA: every adapted part of a qkv layer in one launch, and a qkv layer
+    with only k adapted, whose one part starts past q's columns). fp32, Triton's interpreter on the CPU."""
     from litgpt.lora import LoRALinear
 
-    from litft import kernels
+    from litft import kernels, model
     from litft.model import FusedLoRA, lora_parts
+
+    if b_side == "triton":
+        monkeypatch.setattr(model, "_triton_b_side", lambda t, parts: True)
 
     p = 0.3
     torch.manual_seed(0)

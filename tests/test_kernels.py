@@ -599,6 +599,68 @@ def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
         torch.testing.assert_close(grad_a.double(), grad_after_a.double().t() @ dropped, rtol=1e-4, atol=1e-3)
 
 
+def _lora_up_case(rows, sizes, enabled, r, device, dtype):
+    """A B side's inputs and float64 results: out (rows, sum(sizes)), h (rows, r per adapted part), B (its rows, r),
+    the output gradient; the parts of the adapted sizes (their output columns, B's rows, h's columns); out + s h B^T,
+    h's gradient and B's gradient (added into ones: an earlier micro-batch's .grad)."""
+    parts, column, b_row, h_column = [], 0, 0, 0
+    for size, on in zip(sizes, enabled):
+        if on:
+            parts.append((column, column + size, b_row, h_column))
+            b_row, h_column = b_row + size, h_column + r
+        column += size
+    out, grad = (torch.randn(rows, column, device=device).to(dtype) for _ in range(2))
+    h = torch.randn(rows, h_column, device=device).to(dtype)
+    b = (torch.randn(b_row, r, device=device) / r**0.5).to(dtype)
+    scale = 0.5
+    want_out, want_h, want_b = out.double().clone(), torch.zeros(h.shape, dtype=torch.float64, device=device), \
+        torch.ones(b.shape, dtype=torch.float64, device=device)
+    for start, end, first_b, first_h in parts:
+        part_b, part_h = b.double()[first_b:first_b + end - start], h.double()[:, first_h:first_h + r]
+        want_out[:, start:end] += scale * part_h @ part_b.t()
+        want_h[:, first_h:first_h + r] = scale * grad.double()[:, start:end] @ part_b
+        want_b[first_b:first_b + end - start] += scale * grad.double()[:, start:end].t() @ part_h
+    return tuple(parts), out, h, b, grad, scale, (want_out, want_h, want_b)
+
+
+@pytest.mark.parametrize("sizes, enabled", [((64, 16, 16), (1, 1, 1)), ((64, 16, 16), (1, 0, 1)),
+                                            ((40,), (1,)), ((72, 24, 24), (0, 1, 0))],
+                         ids=["q-k-v", "q-v", "one-part", "k-only"])
+def test_lora_up_kernels_are_the_b_sides_matmuls(sizes, enabled):
+    """kernels.lora_up_ adds s h_p B_p^T into each part's output columns in place, and lora_up_backward returns h's
+    gradient s grad_p B_p and adds B's, s grad_p^T h_p, into its .grad, for 1-3 parts (q, k, v of a qkv layer, some
+    left out: B's rows and h's columns then skip them). 70 rows (row tiles of 16 and row splits, the last partly
+    filled); parts of 16-72 columns in blocks of 16 and 32 (some partly masked). fp32, in the interpreter on the
+    CPU: equal to float64 up to summation order."""
+    torch.manual_seed(0)
+    parts, out, h, b, grad, scale, (want_out, want_h, want_b) = _lora_up_case(70, sizes, enabled, 12, "cpu",
+                                                                              torch.float32)
+    for block_n in (16, 32):
+        got = kernels.lora_up_(out.clone(), h, b, scale, parts, block_m=16, block_n=block_n)
+        torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
+        grad_b = torch.ones_like(b)
+        grad_h = kernels.lora_up_backward(grad, h, b, scale, parts, grad_b, h_block_m=16, h_block_n=block_n,
+                                          b_block_m=16, b_block_n=block_n)
+        torch.testing.assert_close(grad_h.double(), want_h, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad_b.double(), want_b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_lora_up_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
+    """The B side's kernels at a TinyLlama qkv layer's sizes (4,096 rows; q 2,048, k 256, v 256 columns; r 32) and
+    a proj's (one part of 2,048), compiled for the GPU at their default launches, against float64 within bf16
+    rounding; B's gradient (fp32 sums over row splits, rounded once) within bf16's rounding of its size."""
+    torch.manual_seed(0)
+    for sizes in ((2048, 256, 256), (2048,)):
+        parts, out, h, b, grad, scale, (want_out, want_h, want_b) = _lora_up_case(
+            4096, sizes, (1,) * len(sizes), 32, "cuda", torch.bfloat16)
+        _bf16_close(kernels.lora_up_(out.clone(), h, b, scale, parts), want_out)
+        grad_b = torch.ones_like(b)
+        grad_h = kernels.lora_up_backward(grad, h, b, scale, parts, grad_b)
+        torch.testing.assert_close(grad_h.double(), want_h, rtol=2e-2, atol=0.1)  # sums of 2,048 products
+        torch.testing.assert_close(grad_b.double(), want_b, rtol=2e-2, atol=0.5)  # sums of 4,096: |B grad| ~ 30
+
+
 @pytest.mark.gpu
 def test_swiglu_lora_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
     """The LoRA MLP's middle kernels at TinyLlama's sizes (4,096 rows, 5,632 intermediate, r 32, p 0.05), compiled
@@ -737,6 +799,29 @@ for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one sp
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32,
                           "PRECISION": "tf32", "B_GRADS": b_grads,
                           "DROPOUT": b_grads, "num_warps": launch["num_warps"]})
+parts = {f"{name}{i}": "i32" for i in range(3) for name in ("start", "end", "b_row", "h_column")}
+up_launch, up_backward_launch = kernels._lora_up_launch(), kernels._lora_up_backward_launch()
+compile_for_sm90(kernels._lora_up_kernel,
+                 {"out_ptr": "*bf16", "h_ptr": "*bf16", "b_ptr": "*bf16", "M": "i32", "R": "i32", "stride_out": "i32",
+                  "stride_h": "i32", "scale": "fp32", "blocks0": "i32", "blocks1": "i32", **parts,
+                  "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"},
+                 {"BLOCK_M": up_launch["block_m"], "BLOCK_N": up_launch["block_n"], "BLOCK_R": 32, "PRECISION": "tf32",
+                  "num_warps": up_launch["num_warps"]})
+for count in (1, 3):  # a LoRALinear's one part; q, k and v
+    compile_for_sm90(kernels._lora_up_grad_h_kernel,
+                     {"grad_ptr": "*bf16", "b_ptr": "*bf16", "grad_h_ptr": "*bf16", "M": "i32", "R": "i32",
+                      "stride_grad": "i32", "stride_grad_h": "i32", "scale": "fp32", **parts, "PARTS": "constexpr",
+                      "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"},
+                     {"PARTS": count, "BLOCK_M": up_backward_launch["h_block_m"],
+                      "BLOCK_N": up_backward_launch["h_block_n"], "BLOCK_R": 32, "PRECISION": "tf32",
+                      "num_warps": up_backward_launch["h_warps"]})
+compile_for_sm90(kernels._lora_up_grad_b_kernel,
+                 {"grad_ptr": "*bf16", "h_ptr": "*bf16", "partial_ptr": "*fp32", "M": "i32", "R": "i32",
+                  "b_rows": "i32", "stride_grad": "i32", "stride_h": "i32", "scale": "fp32", "rows_per_split": "i32",
+                  "blocks0": "i32", "blocks1": "i32", **parts, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                  "BLOCK_R": "constexpr", "PRECISION": "constexpr"},
+                 {"BLOCK_M": up_backward_launch["b_block_m"], "BLOCK_N": up_backward_launch["b_block_n"], "BLOCK_R": 32,
+                  "PRECISION": "tf32", "num_warps": up_backward_launch["b_warps"]})
 for accumulate in (True, False):
     compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "grad2_ptr": "*bf16",
                                                      "grad3_ptr": "*bf16", "n": "i32", "splits": "i32",
