@@ -872,13 +872,15 @@ def _lora_part_table(parts: tuple[tuple[int, int, int, int], ...], block_n: int)
     return blocks[:2], [value for part in padded for value in part]
 
 
-# Launches: see benchmarks/lora_up_bench.py (qkv: 4,096 rows, 3 parts of 2,048 / 256 / 256 columns, R 32)
+# Launches: the fastest of benchmarks/lora_up_bench.py's sweep at a TinyLlama qkv layer's sizes (4,096 rows; parts of
+# 2,048, 256 and 256 columns; R 32) on the H100, us per call from CUDA-graph replays (results/lora-up-s21): forward
+# 64 x 64 tiles, 4 warps, 10.6 (others 11.1-15.0); backward 19.5-20.8 at the launches below, up to 30.5 at others.
 def _lora_up_launch() -> dict:
     return dict(block_m=64, block_n=64, num_warps=4)
 
 
 def _lora_up_backward_launch() -> dict:
-    return dict(h_block_m=32, h_block_n=128, h_warps=4, b_block_m=64, b_block_n=128, b_warps=4, programs_per_sm=2)
+    return dict(h_block_m=64, h_block_n=128, h_warps=8, b_block_m=64, b_block_n=64, b_warps=4, programs_per_sm=2)
 
 
 def lora_up_(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float,

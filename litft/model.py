@@ -653,8 +653,10 @@ def add_low_rank_parts_(pretrained: torch.Tensor, after_a: torch.Tensor, lora_b:
 
 
 # The Fused* layers run B's side in Triton (kernels.lora_up_ / lora_up_backward) for layers of at least this many
-# parts: measured on the H100 (benchmarks/results/lora-up-s21.md, 4,096 rows, R 32) ... (set after the measurement)
-TRITON_B_SIDE_MIN_PARTS = 1
+# parts. Measured on the H100 (benchmarks/results/lora-up-s21, 4,096 rows, R 32, us per call replayed from a CUDA
+# graph): a qkv layer's 3 parts forward 16.6 (cuBLAS, one addmm_ per part) -> 10.6, backward 32.1 (two matmuls per
+# part) -> ~20; one part (proj) forward 8.9 -> 9.0 and backward 13.0 -> 15.7, so a single part keeps cuBLAS.
+TRITON_B_SIDE_MIN_PARTS = 2
 
 
 def _b_side_bounds(parts: tuple, width: int) -> tuple[tuple[int, int, int, int], ...]:
