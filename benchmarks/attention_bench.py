@@ -1,6 +1,6 @@
 """Time packed (varlen) causal attention, forward + backward, the way a TinyLlama micro-batch calls it.
 
-    python benchmarks/attention_bench.py [--tokens 4096 --samples 32] [--out FILE.md]
+    python benchmarks/attention_bench.py [--tokens 4096 --samples 32] [--only litft cuDNN] [--sweep] [--out FILE.md]
 
 A fine-tune's attention sees packed rows: ~16 samples (Alpaca-like lengths, mean ~250 tokens, cut at 512) in a row of
 4,096 positions (full fine-tune: micro_batch_size 8 x 512) or ~8 in 2,048 (LoRA: 4 x 512). litft calls torch's
@@ -12,12 +12,17 @@ compiled kernel serves every row. This script measures what those fixed bounds c
 - varlen, only the row's own segments, max 512
 - varlen, own segments, max = the row's longest sample
 - litft's own path (model.GroupedFlashAttention: flash attention's varlen ops, k and v at their groups)
+- litft's Triton kernels (varlen_attention.VarlenGQAAttention: fixed tiles of positions, a group's query heads
+  packed into one tile), with the largest difference from litft's path and a CUDA-graph replay check; `--sweep`
+  first times candidate tiles of its three kernels (per-kernel times) and keeps the fastest of each
 - cuDNN's varlen attention (aten._cudnn_attention_forward with cu_seqlens, its autograd backward), k and v at their
   groups or repeated to all heads, with the largest difference from litft's path and a CUDA-graph replay check
 - flex_attention (compiled) with a document-causal block mask, grouped k/v
 
 TinyLlama's attention: 32 query heads, 4 k/v groups, head size 64, bf16. Each variant runs the same rows; the
 figure is the mean forward + backward time per row over `--repeats` passes through them, timed with CUDA events.
+`--only` keeps the variants whose names contain one of the given words (litft's flash path, the baseline, always
+runs).
 """
 
 from __future__ import annotations
@@ -98,6 +103,17 @@ def grouped_flash_call(segments_of):
     def run(q, k, v, row, width):
         cu = cu_seqlens(row, width, segments_of(row), q.device)
         return GroupedFlashAttention.apply(q, k, v, cu, 512, HEAD_SIZE ** -0.5)
+
+    return run
+
+
+def triton_varlen_call(segments_of):
+    """litft's Triton kernels (varlen_attention.VarlenGQAAttention), called as grouped_flash_call calls flash."""
+    from litft.varlen_attention import VarlenGQAAttention
+
+    def run(q, k, v, row, width):
+        cu = cu_seqlens(row, width, segments_of(row), q.device)
+        return VarlenGQAAttention.apply(q, k, v, cu, 512, HEAD_SIZE ** -0.5)
 
     return run
 
@@ -220,6 +236,72 @@ def time_variant(run, rows, width, repeats: int) -> tuple[float, float]:
     return kernel_us, start.elapsed_time(end) / calls * 1000
 
 
+def kernel_times(run, rows, width, repeats: int) -> dict[str, float]:
+    """Microseconds per row of each GPU kernel name (torch.profiler), after a warm-up pass (which compiles)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = make_inputs(width, "cuda")
+    grad = torch.randn(width, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+    for row in rows:
+        q.grad = k.grad = v.grad = None
+        run(q, k, v, row, width).backward(grad)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            for row in rows:
+                q.grad = k.grad = v.grad = None
+                run(q, k, v, row, width).backward(grad)
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time_total / (repeats * len(rows))
+    return times
+
+
+# candidate tiles of varlen_attention's kernels (rows, keys, warps, stages[, splits]), the i-th of each timed
+# together; the first of each is the module's default at the time of writing
+SWEEP = {
+    "forward": [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (128, 32, 8, 3)],
+    "dq": [(64, 32, 4, 4), (64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 5), (128, 64, 8, 3)],
+    "dkdv": [(64, 64, 4, 3, 2), (32, 64, 4, 3, 2), (64, 64, 4, 4, 2), (32, 64, 4, 4, 2), (64, 64, 4, 3, 3),
+             (16, 64, 4, 3, 2), (32, 64, 4, 3, 3), (32, 128, 8, 3, 2)],
+}
+
+
+def sweep_triton(rows, width, per_step, repeats: int) -> list[str]:
+    """Time SWEEP's candidates of the Triton kernels (per kernel, microseconds per row), then keep the fastest of
+    each in varlen_attention.TILES for the rest of the run. Returns markdown lines."""
+    from litft import varlen_attention
+
+    names = {"forward": ("_forward_kernel",), "dq": ("_dq_kernel",), "dkdv": ("_dkdv_kernel", "_sum_splits_kernel")}
+    run = triton_varlen_call(lambda row: per_step + 1)
+    best = {kernel: (float("inf"), None) for kernel in names}
+    lines = [f"Triton varlen tiles, {width} positions: microseconds per row of each kernel (rows, keys, warps,"
+             " stages[, splits]; dk/dv with its splits' sum)", "", "| forward | us | dq | us | dk/dv | us |", "|---|---|---|---|---|---|"]
+    default = dict(varlen_attention.TILES[HEAD_SIZE])
+    for i in range(max(len(c) for c in SWEEP.values())):
+        tiles = {kernel: varlen_attention.Tiles(*SWEEP[kernel][min(i, len(SWEEP[kernel]) - 1)]) for kernel in names}
+        varlen_attention.TILES[HEAD_SIZE] = tiles
+        cells = []
+        try:
+            times = kernel_times(run, rows, width, repeats)
+        except Exception as err:  # a shape that does not fit (shared memory, registers): recorded, not fatal
+            cells = [f"{tuple(SWEEP[kernel][min(i, len(SWEEP[kernel]) - 1)])} | failed: {type(err).__name__}"
+                     for kernel in names]
+        else:
+            for kernel, name in names.items():
+                us = sum(t for n, t in times.items() if any(part in n for part in name))
+                cells.append(f"{tuple(SWEEP[kernel][min(i, len(SWEEP[kernel]) - 1)])} | {us:.1f}")
+                if us < best[kernel][0]:
+                    best[kernel] = (us, tiles[kernel])
+        lines.append("| " + " | ".join(cells) + " |")
+    varlen_attention.TILES[HEAD_SIZE] = {kernel: best[kernel][1] or default[kernel] for kernel in names}
+    lines += ["", "kept: " + ", ".join(f"{kernel} {varlen_attention.TILES[HEAD_SIZE][kernel]}" for kernel in names),
+              ""]
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 2048], help="row capacities to measure")
@@ -227,6 +309,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps' worth of rows to time")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="also write the table here (markdown)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="time only variants whose names contain one of these words (case-insensitive)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time candidate tiles of the Triton varlen kernels and keep the fastest")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("attention_bench: needs a CUDA device", file=sys.stderr)
@@ -238,14 +324,23 @@ def main() -> int:
              "| row capacity | samples/step | rows | mean samples/row | variant | kernel us per row (fwd+bwd) | vs litft today |"
              " wall us per row | max abs difference from litft's path (bf16) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    checks = []
+    checks, sweeps = [], []
+    litft_name = "litft GroupedFlashAttention (flash varlen ops, grouped k/v), padded segments, max 512"
+
+    def wanted(name: str) -> bool:
+        return args.only is None or name == litft_name or any(w.lower() in name.lower() for w in args.only)
+
     for capacity, per_step in zip(args.tokens, args.samples):
         rows = [row for _ in range(args.steps) for row in pack_rows(sample_lengths(per_step, rng), capacity)]
         # every row at the capacity's width (the widest captured shape), the padding tail its own segment
         width = capacity
+        if args.sweep and not sweeps:  # once, at the first capacity
+            sweeps = sweep_triton(rows, width, per_step, args.repeats)
         variants = {
             "litft GroupedFlashAttention (flash varlen ops, grouped k/v), padded segments, max 512":
                 grouped_flash_call(lambda row: per_step + 1),
+            "litft Triton varlen GQA (varlen_attention, fixed tiles, grouped heads packed), padded segments":
+                triton_varlen_call(lambda row: per_step + 1),
             "varlen_attn, segments padded to samples/step + 1, max 512":
                 varlen_call(lambda row: per_step + 1, lambda row, w: 512),
             "varlen_attn, the row's own segments, max 512": varlen_call(lambda row: None, lambda row, w: 512),
@@ -257,8 +352,10 @@ def main() -> int:
             "flex_attention, document-causal block mask": flex_call(),
         }
         base = None
-        reference = variants["litft GroupedFlashAttention (flash varlen ops, grouped k/v), padded segments, max 512"]
+        reference = variants[litft_name]
         for name, run in variants.items():
+            if not wanted(name):
+                continue
             try:
                 us, wall = time_variant(run, rows, width, args.repeats)
             except Exception as err:  # a variant this torch lacks: recorded, not fatal
@@ -267,24 +364,28 @@ def main() -> int:
                 continue
             base = base or us
             mean = sum(len(r) for r in rows) / len(rows)
-            errors = max_errors(run, reference, rows[:4], width) if "cuDNN" in name else ""
+            errors = max_errors(run, reference, rows[:4], width) if "cuDNN" in name or "Triton" in name else ""
             lines.append(f"| {capacity} | {per_step} | {len(rows)} | {mean:.1f} | {name} | {us:.1f} | {us / base:.2f}x"
                          f" | {wall:.1f} | {errors} |")
         from litft.model import GroupedFlashAttention
+        from litft.varlen_attention import VarlenGQAAttention
 
         scale = HEAD_SIZE ** -0.5
         for name, fn in {
             "litft GroupedFlashAttention": lambda q, k, v, cu: GroupedFlashAttention.apply(q, k, v, cu, 512, scale),
+            "litft Triton varlen GQA": lambda q, k, v, cu: VarlenGQAAttention.apply(q, k, v, cu, 512, scale),
             "cuDNN varlen, grouped k/v": lambda q, k, v, cu: torch.ops.aten._cudnn_attention_forward(
                 q, k, v, None, cu, cu, 512, 512, True, 0.0, True, False, scale=scale)[0],
         }.items():
+            if not wanted(name):
+                continue
             try:
                 checks.append(f"- {capacity} positions, {name}: CUDA-graph replay vs eager, max abs difference"
                               f" {graph_replay_error(fn, rows[:6], width)}")
             except Exception as err:
                 checks.append(f"- {capacity} positions, {name}: CUDA-graph capture failed: {type(err).__name__}:"
                               f" {str(err).splitlines()[0][:160] if str(err) else ''}")
-    lines += [""] + checks
+    lines += [""] + checks + ([""] + sweeps if sweeps else [])
     text = "\n".join(lines)
     print(text)
     if args.out:

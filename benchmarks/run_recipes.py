@@ -655,6 +655,18 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("qlora-before", "tiny-llama-qlora", GPU + steps(200), PREVIOUS),
         ("qlora-after", "tiny-llama-qlora", GPU + steps(200)),
     ],
+    # Session 21: packed attention in Triton (litft.varlen_attention: grouped heads in one tile, fixed position tiles)
+    # and the qkv layer's B side in one launch each way (kernels.lora_up_), beside session 20's code (d936278,
+    # out/prev): LoRA twice each way, QLoRA once, and a profile.
+    "s21-attn": [
+        ("before", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("after", "tiny-llama-lora", GPU + steps(60)),
+        ("before-again", "tiny-llama-lora", GPU + steps(60), PREVIOUS),
+        ("after-again", "tiny-llama-lora", GPU + steps(60)),
+        ("qlora-before", "tiny-llama-qlora", GPU + steps(60), PREVIOUS),
+        ("qlora-after", "tiny-llama-qlora", GPU + steps(60)),
+        ("after-profile", "tiny-llama-lora", GPU + steps(30) + ["--logging.profile", "20-21"]),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),

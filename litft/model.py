@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from litft import kernels
+from litft import kernels, varlen_attention
 from litft.errors import CheckpointError, ConfigError
 from litft.recipe import Recipe, resolve_path
 
@@ -331,6 +331,21 @@ class GroupedFlashAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
+# Packed rows' attention runs litft.varlen_attention's Triton kernels (train.triton_kernels, eager, CUDA) where they
+# were measured faster than flash attention's varlen ops: head size 64 with grouped k/v heads (TinyLlama: 32 heads
+# over 4 groups). In benchmarks/attention_bench.py (results/attention-s21; rows of 4,096 positions, ~13.5 samples,
+# forward + backward kernel time per row on the H100): flash attention (GroupedFlashAttention) 315 us, Triton 162 us.
+# Other shapes (OpenLLaMA's 32 or 40 heads of 100 or 128, no groups) keep flash attention: not measured.
+TRITON_ATTENTION_HEAD_SIZES = (64,)
+
+
+def triton_attention_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether packed attention of q (..., heads, D) over k (..., groups, D) runs litft.varlen_attention's kernels:
+    on CUDA (kernels.available), 16-bit, grouped heads of a measured head size, one packed row."""
+    return (kernels.available(q) and q.shape[-1] in TRITON_ATTENTION_HEAD_SIZES and k.shape[-2] < q.shape[-2]
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1)
+
+
 def packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
     """CausalSelfAttention.scaled_dot_product_attention, plus packed rows: when `mask` is a Packed, each sample
     attends only to itself. q, k, v: (1, heads, N, head_size), k and v already repeated to all heads by LitGPT.
@@ -346,6 +361,11 @@ def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     and SDPA's enable_gqa read each group for its queries). Returns (B, T, heads, head_size)."""
     scale = 1.0 / math.sqrt(self.config.attention_scores_scalar or self.config.head_size) * self.mscale**2
     b, t, heads, head_size = q.shape
+    if isinstance(mask, Packed) and getattr(self, "triton_kernels", False) and triton_attention_applies(q, k):
+        # (1, N, H, D) -> (N, H, D): views, as for the varlen op below
+        q_, k_, v_ = (x.reshape(t, x.shape[2], head_size) for x in (q, k, v))
+        y = varlen_attention.VarlenGQAAttention.apply(q_, k_, v_, mask.cu_seqlens, mask.max_length, scale)
+        return y.view(b, t, heads, head_size)
     if isinstance(mask, Packed) and q.device.type in VARLEN_DEVICES and _VARLEN_KWARGS is not None:
         from torch.nn.attention.varlen import varlen_attn
 
