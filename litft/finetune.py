@@ -30,6 +30,7 @@ from litft.model import (
     build_model,
     compile_blocks,
     count_parameters,
+    fast_attention_applies,
     fast_path_problems,
     fuses_residual_norms,
     merge_lora_checkpoint,
@@ -37,6 +38,7 @@ from litft.model import (
     settle_4bit_compute_dtype,
     stack_fc_weights,
     trainable_state_dict,
+    triton_attention_fits,
     use_fast_layers,
     write_checkpoint_files,
 )
@@ -216,6 +218,10 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
                         grad_into_weights=grads_in_matmul, triton_kernels=triton_layers)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
+        # packed rows' attention in Triton (model.causal_attention decides per call; this says what it will decide)
+        triton_attention = (triton_layers and recipe.data.packing and recipe.train.fast_attention
+                            and fast_attention_applies(config) and not recipe.precision.startswith("32")
+                            and triton_attention_fits(config.head_size, config.n_head, config.n_query_groups))
         # the residual adds fused into the norms: eager blocks that are still LitGPT's own (not checkpoint-wrapped)
         fused_residual_norms = (triton_layers and recipe.train.fused_rms_norm
                                 and not recipe.train.activation_checkpointing and fuses_residual_norms(gpt))
@@ -234,6 +240,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
                if recipe.precision.endswith("-mixed") else "")
             + (", weight gradients added by the matmul" if grads_in_matmul else "")
             + (", SwiGLU, RoPE and LoRA dropout in Triton kernels" if triton_layers else "")
+            + (", packed attention in Triton kernels" if triton_attention else "")
             + (", residual adds fused into the norms" if fused_residual_norms else "")
             + (", the loss in a Triton kernel" if triton_loss else "")
             + (f", LoRA layers {'fast' if recipe.train.fast_lora else 'LitGPT'}" if recipe.method != "full" else ""))
@@ -371,7 +378,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         result["grad_into_weights"] = grads_in_matmul
         result["loss_read"] = "a step late" if reads_late else "before each update"
         result["triton_kernels"] = {"swiglu_rope": triton_layers, "loss": triton_loss,
-                                    "residual_norms": fused_residual_norms,
+                                    "residual_norms": fused_residual_norms, "packed_attention": triton_attention,
                                     "adamw": optimizer_used["implementation"] == TRITON_ADAMW}
         if is_main:
             write_json_atomic(out_dir / "result.json", result)

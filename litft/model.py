@@ -339,10 +339,16 @@ class GroupedFlashAttention(torch.autograd.Function):
 TRITON_ATTENTION_HEAD_SIZES = (64,)
 
 
+def triton_attention_fits(head_size: int, heads: int, groups: int) -> bool:
+    """Whether attention of this shape is one litft.varlen_attention's kernels were measured faster on: grouped k/v
+    heads of a size in TRITON_ATTENTION_HEAD_SIZES."""
+    return head_size in TRITON_ATTENTION_HEAD_SIZES and groups < heads
+
+
 def triton_attention_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether packed attention of q (..., heads, D) over k (..., groups, D) runs litft.varlen_attention's kernels:
-    on CUDA (kernels.available), 16-bit, grouped heads of a measured head size, one packed row."""
-    return (kernels.available(q) and q.shape[-1] in TRITON_ATTENTION_HEAD_SIZES and k.shape[-2] < q.shape[-2]
+    """Whether packed attention of q (1, N, heads, D) over k (1, N, groups, D) runs litft.varlen_attention's
+    kernels: on CUDA (kernels.available), in 16 bits, of a shape :func:`triton_attention_fits`, one packed row."""
+    return (kernels.available(q) and triton_attention_fits(q.shape[-1], q.shape[-2], k.shape[-2])
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1)
 
 
@@ -675,8 +681,13 @@ def add_low_rank_parts_(pretrained: torch.Tensor, after_a: torch.Tensor, lora_b:
 # The Fused* layers run B's side in Triton (kernels.lora_up_ / lora_up_backward) for layers of at least this many
 # parts. Measured on the H100 (benchmarks/results/lora-up-s21, 4,096 rows, R 32, us per call replayed from a CUDA
 # graph): a qkv layer's 3 parts forward 16.6 (cuBLAS, one addmm_ per part) -> 10.6, backward 32.1 (two matmuls per
-# part) -> ~20; one part (proj) forward 8.9 -> 9.0 and backward 13.0 -> 15.7, so a single part keeps cuBLAS.
+# part) -> ~20; one part (proj) forward 8.9 -> 9.0 and backward 13.0 -> 15.7, so a single part keeps cuBLAS. In a
+# step (results/s21-attn's profile) the qkv layer's B side took 11.7 us forward and 13.4 + 6.8 us (+ an add of
+# partial sums) backward. Only layers up to TRITON_B_SIDE_MAX_WIDTH output columns (TinyLlama's qkv, 2,560) were
+# measured; wider ones (OpenLLaMA's qkv: 3 x 3,200 or 3 x 4,096 columns, whose backward kernel would run one program
+# per 64 rows: 32 programs at 2,048 rows) keep cuBLAS.
 TRITON_B_SIDE_MIN_PARTS = 2
+TRITON_B_SIDE_MAX_WIDTH = 2560
 
 
 def _b_side_bounds(parts: tuple, width: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -690,13 +701,16 @@ def _b_side_bounds(parts: tuple, width: int) -> tuple[tuple[int, int, int, int],
 
 
 def _triton_b_side(t: torch.Tensor, parts: tuple) -> bool:
-    return kernels.available(t) and len(parts) >= TRITON_B_SIDE_MIN_PARTS
+    """Whether B's side of a layer with output (or output gradient) t runs in Triton: on CUDA, at the measured sizes."""
+    return (kernels.available(t) and len(parts) >= TRITON_B_SIDE_MIN_PARTS
+            and t.shape[-1] <= TRITON_B_SIDE_MAX_WIDTH)
 
 
 def low_rank_add_(pretrained: torch.Tensor, after_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                   parts: tuple) -> torch.Tensor:
     """B's half of a Fused* layer's forward pass, pretrained += s after_a B^T part by part, in place: one Triton
-    launch for every part on CUDA (:data:`TRITON_B_SIDE_MIN_PARTS`), else :func:`add_low_rank_parts_`'s matmuls."""
+    launch for every part on CUDA (:data:`TRITON_B_SIDE_MIN_PARTS`, :data:`TRITON_B_SIDE_MAX_WIDTH`), else
+    :func:`add_low_rank_parts_`'s matmuls."""
     if _triton_b_side(pretrained, parts):
         return kernels.lora_up_(pretrained, after_a, lora_b, scale, _b_side_bounds(parts, pretrained.shape[1]))
     return add_low_rank_parts_(pretrained, after_a, lora_b, scale, parts)
