@@ -215,13 +215,15 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         use_fast_layers(gpt, lora=recipe.train.fast_lora, norm=recipe.train.fused_rms_norm,
                         attention=recipe.train.fast_attention, swiglu=recipe.train.lean_swiglu,
                         mixed_linear=recipe.recasts_mixed_weights,
-                        grad_into_weights=grads_in_matmul, triton_kernels=triton_layers)
+                        grad_into_weights=grads_in_matmul, triton_kernels=triton_layers,
+                        attention_kernel=recipe.train.attention_kernel)
         if recipe.train.activation_checkpointing:
             apply_activation_checkpointing(gpt)
         # packed rows' attention in Triton (model.causal_attention decides per call; this says what it will decide)
         triton_attention = (triton_layers and recipe.data.packing and recipe.train.fast_attention
                             and fast_attention_applies(config) and not recipe.precision.startswith("32")
-                            and triton_attention_fits(config.head_size, config.n_head, config.n_query_groups))
+                            and triton_attention_fits(config.head_size, config.n_head, config.n_query_groups,
+                                                      recipe.train.attention_kernel))
         # the residual adds fused into the norms: eager blocks that are still LitGPT's own (not checkpoint-wrapped)
         fused_residual_norms = (triton_layers and recipe.train.fused_rms_norm
                                 and not recipe.train.activation_checkpointing and fuses_residual_norms(gpt))

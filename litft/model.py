@@ -339,17 +339,20 @@ class GroupedFlashAttention(torch.autograd.Function):
 TRITON_ATTENTION_HEAD_SIZES = (64,)
 
 
-def triton_attention_fits(head_size: int, heads: int, groups: int) -> bool:
-    """Whether attention of this shape is one litft.varlen_attention's kernels were measured faster on: grouped k/v
-    heads of a size in TRITON_ATTENTION_HEAD_SIZES."""
-    return head_size in TRITON_ATTENTION_HEAD_SIZES and groups < heads
+def triton_attention_fits(head_size: int, heads: int, groups: int, attention_kernel: str = "auto") -> bool:
+    """Whether train.attention_kernel picks litft.varlen_attention's kernels for attention of this shape: auto, where
+    they were measured faster (grouped k/v heads of a size in TRITON_ATTENTION_HEAD_SIZES); triton, wherever they
+    take it (varlen_attention.supports); flash, nowhere."""
+    if attention_kernel == "auto":
+        return head_size in TRITON_ATTENTION_HEAD_SIZES and groups < heads
+    return attention_kernel == "triton" and varlen_attention.supports(heads, groups, head_size)
 
 
-def triton_attention_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+def triton_attention_applies(q: torch.Tensor, k: torch.Tensor, attention_kernel: str = "auto") -> bool:
     """Whether packed attention of q (1, N, heads, D) over k (1, N, groups, D) runs litft.varlen_attention's
-    kernels: on CUDA (kernels.available), in 16 bits, of a shape :func:`triton_attention_fits`, one packed row."""
-    return (kernels.available(q) and triton_attention_fits(q.shape[-1], q.shape[-2], k.shape[-2])
-            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1)
+    kernels: on CUDA (kernels.available), in 16 bits, one packed row, of a shape :func:`triton_attention_fits`."""
+    return (kernels.available(q) and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1
+            and triton_attention_fits(q.shape[-1], q.shape[-2], k.shape[-2], attention_kernel))
 
 
 def packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
@@ -367,7 +370,8 @@ def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     and SDPA's enable_gqa read each group for its queries). Returns (B, T, heads, head_size)."""
     scale = 1.0 / math.sqrt(self.config.attention_scores_scalar or self.config.head_size) * self.mscale**2
     b, t, heads, head_size = q.shape
-    if isinstance(mask, Packed) and getattr(self, "triton_kernels", False) and triton_attention_applies(q, k):
+    if (isinstance(mask, Packed) and getattr(self, "triton_kernels", False)
+            and triton_attention_applies(q, k, getattr(self, "attention_kernel", "auto"))):
         # (1, N, H, D) -> (N, H, D): views, as for the varlen op below
         q_, k_, v_ = (x.reshape(t, x.shape[2], head_size) for x in (q, k, v))
         y = varlen_attention.VarlenGQAAttention.apply(q_, k_, v_, mask.cu_seqlens, mask.max_length, scale)
@@ -1243,7 +1247,7 @@ def _is_identity_function(dropout) -> bool:
 
 def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True, attention: bool = True,
                     swiglu: bool = True, mixed_linear: bool = False, grad_into_weights: bool = False,
-                    triton_kernels: bool = False) -> None:
+                    triton_kernels: bool = False, attention_kernel: str = "auto") -> None:
     """Swap in packed attention; with ``attention`` (train.fast_attention), attention_forward where it applies; with
     ``lora`` (train.fast_lora), the matmul LoRA layers; with ``norm`` (train.fused_rms_norm), torch's rms_norm; with
     ``swiglu`` (train.lean_swiglu), mlp_forward in LLaMA MLPs; with ``mixed_linear`` (train.lean_mixed_linear, for
@@ -1252,7 +1256,8 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
     (train.grad_into_weights, -true precision on one device), grad_into_weight_forward in every plain nn.Linear and
     LowRankUpdate in the fast LoRA layers;
     with ``triton_kernels`` (train.triton_kernels), mlp_forward's SwiGLU, attention_forward's RoPE and the fast LoRA
-    layers' dropout run Triton kernels on CUDA in eager mode. Per instance: LitGPT's classes stay untouched."""
+    layers' dropout run Triton kernels on CUDA in eager mode, and packed attention too where ``attention_kernel``
+    (train.attention_kernel) picks them. Per instance: LitGPT's classes stay untouched."""
     import types
 
     from litgpt.lora import LoRALinear, LoRAQKVLinear
@@ -1275,7 +1280,7 @@ def use_fast_layers(model: torch.nn.Module, lora: bool = True, norm: bool = True
             module.scaled_dot_product_attention = types.MethodType(packed_attention, module)
             if attention and fast_attention_applies(module.config):
                 module.forward = types.MethodType(attention_forward, module)
-                module.triton_kernels = triton_kernels
+                module.triton_kernels, module.attention_kernel = triton_kernels, attention_kernel
         if lora and isinstance(module, LoRAQKVLinear):
             module.forward = types.MethodType(lora_qkv_forward, module)
             module.grads_into_adapters, module.triton_kernels = grad_into_weights, triton_kernels

@@ -254,6 +254,15 @@ class TrainConfig:
     AdamW's kernels run either way), and CPU runs or an install without Triton use the torch ops. false: the torch
     ops, for comparison."""
 
+    attention_kernel: Literal["auto", "flash", "triton"] = "auto"
+    """Which kernels run packed rows' attention in eager CUDA runs with triton_kernels and fast_attention (elsewhere
+    flash attention's, or SDPA on the CPU). auto: litft.varlen_attention's Triton kernels where they were measured
+    faster than flash attention's varlen ops, grouped k/v heads of 64 (TinyLlama: forward + backward 160 against
+    315 us per 4,096-position row on the H100, benchmarks/results/attention-s21), flash attention elsewhere; flash:
+    flash attention's everywhere; triton: the Triton kernels wherever they take the shape (head sizes 16, 32, 64,
+    128; OpenLLaMA's 100 keeps flash attention), to measure a model they were not measured on. result.json's
+    triton_kernels.packed_attention says which ran."""
+
     loss_chunk: int = 4096
     """Positions per output-layer chunk in the loss; each chunk's logits are recomputed in the backward pass, so
     (tokens x vocabulary) logits never exist at once. 0: the whole micro-batch at once. With the Triton loss

@@ -285,13 +285,20 @@ if triton is not None:
         tl.store(grad_v_ptr + offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=inside)
 
 
+def supports(heads: int, groups: int, head_dim: int) -> bool:
+    """Whether the kernels take attention of this shape: a head size of HEAD_SIZES, groups dividing heads, and at
+    most a tile's rows of query heads per group."""
+    return (head_dim in HEAD_SIZES and heads % groups == 0
+            and heads // groups <= min(_tiles(head_dim, kernel).rows for kernel in _KERNELS))
+
+
 def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
     n, heads, head_dim = q.shape
     groups = k.shape[1]
     if k.shape != (n, groups, head_dim) or v.shape != k.shape or heads % groups:
         raise ValueError(f"varlen attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want q"
                          " (N, heads, D) and k, v (N, groups, D) with groups dividing heads")
-    if head_dim not in HEAD_SIZES or heads // groups > min(_tiles(head_dim, kernel).rows for kernel in _KERNELS):
+    if not supports(heads, groups, head_dim):
         raise ValueError(f"varlen attention: head size {head_dim} with {heads // groups} heads a group is not"
                          f" supported (head sizes {HEAD_SIZES}, at most a tile's rows of heads a group)")
     return n, heads, groups, head_dim

@@ -181,7 +181,8 @@ def test_packed_attention_takes_the_kernels_where_they_apply(device, monkeypatch
     """model.causal_attention on a packed row (a Packed mask, one row) runs these kernels for a module with
     triton_kernels, grouped heads and a head size of TRITON_ATTENTION_HEAD_SIZES, and gives the output and q, k, v
     gradients of the path without them (flash attention's varlen ops on CUDA; SDPA with a block-diagonal mask on
-    the CPU) within bf16 rounding; not for ungrouped heads. On the CPU the interpreter stands in for CUDA
+    the CPU) within bf16 rounding. train.attention_kernel: auto leaves ungrouped heads to flash attention, flash
+    takes none, triton takes ungrouped heads too. On the CPU the interpreter stands in for CUDA
     (kernels.available says yes), at head size 16 and small tiles; on CUDA TinyLlama's heads (32 of 64 over 4)."""
     from types import SimpleNamespace
 
@@ -213,7 +214,10 @@ def test_packed_attention_takes_the_kernels_where_they_apply(device, monkeypatch
         assert len(calls) == 1  # the first pass only
     for actual, wanted in zip(*results):
         torch.testing.assert_close(actual, wanted, rtol=2e-2, atol=3e-2)
-    ungrouped = SimpleNamespace(config=config, mscale=1.0, triton_kernels=True)
+    # train.attention_kernel: auto takes grouped heads only; flash never; triton any shape the kernels take
     k_all = k.repeat_interleave(heads // groups, dim=2)
-    model.causal_attention(ungrouped, q, k_all, k_all, model.Packed(cu, 512))
-    assert len(calls) == 1
+    for kernel, (k_in, v_in), expected_calls in (("auto", (k_all, k_all), 1), ("flash", (k, v), 1),
+                                                 ("triton", (k_all, k_all), 2)):
+        module = SimpleNamespace(config=config, mscale=1.0, triton_kernels=True, attention_kernel=kernel)
+        model.causal_attention(module, q, k_in, v_in, model.Packed(cu, 512))
+        assert len(calls) == expected_calls, kernel
