@@ -674,6 +674,15 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("full-after", "tiny-llama-full", GPU + steps(30)),
         ("full-after-profile", "tiny-llama-full", GPU + steps(30) + ["--logging.profile", "20-21"]),
     ],
+    # OpenLLaMA-7B (32 heads of 128, no groups) with packed attention in flash attention's kernels (auto: where the
+    # Triton ones were not measured) and in the Triton ones (train.attention_kernel triton), 12 steps each, and the
+    # full fine-tune's attention both ways: what would widen train.attention_kernel auto.
+    "s21-attention-kernel": [
+        ("7b-lora-flash", "open-llama-7b-lora", GPU + steps(12)),
+        ("7b-lora-triton", "open-llama-7b-lora", GPU + steps(12) + ["--train.attention_kernel", "triton"]),
+        ("full-flash", "tiny-llama-full", GPU + steps(30) + ["--train.attention_kernel", "flash"]),
+        ("full-triton", "tiny-llama-full", GPU + steps(30)),
+    ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
         ("demo-10-steps", "demo", QUIET + steps(10)),
