@@ -12,7 +12,11 @@ outputs once, in fp32 arithmetic rounded once to the output dtype:
   gradient and the adapter's input gradient added into the frozen layer's, in one pass over x each way;
 - a LoRA MLP's middle (model.FusedLoRAMLP): fc_1's and fc_2's B adds, the SwiGLU and proj's A side in one kernel
   each way, with the B gradients and proj's A gradient summed in the backward one;
+- a qkv layer's LoRA B side, every adapted part (q, k, v) in one launch forward and two backward, where cuBLAS runs
+  one matmul per part forward and two backward;
 - AdamW's step, without the write-back of clipped gradients that torch's fused kernel does (:class:`AdamW`).
+
+Packed rows' attention has its own module, litft.varlen_attention.
 
 Why: in an eager step every torch op is its own kernel, and each reads and writes whole activations. On the H100
 these kernels made a TinyLlama LoRA step 20% faster and a full fine-tune's 16% (benchmarks/results/s12-tiny, against
