@@ -676,8 +676,11 @@ SETS: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
     # OpenLLaMA-7B (32 heads of 128, no groups) with packed attention in flash attention's kernels (auto: where the
     # Triton ones were not measured) and in the Triton ones (train.attention_kernel triton), 12 steps each, and the
-    # full fine-tune's attention both ways: what would widen train.attention_kernel auto.
+    # full fine-tune's attention both ways: what would widen train.attention_kernel auto; and TinyLlama LoRA both
+    # ways, the attention's share of session 21's gain on its own (s21-attn measured it with the qkv B side).
     "s21-attention-kernel": [
+        ("lora-flash", "tiny-llama-lora", GPU + steps(60) + ["--train.attention_kernel", "flash"]),
+        ("lora-auto", "tiny-llama-lora", GPU + steps(60)),
         ("7b-lora-flash", "open-llama-7b-lora", GPU + steps(12)),
         ("7b-lora-triton", "open-llama-7b-lora", GPU + steps(12) + ["--train.attention_kernel", "triton"]),
         ("full-flash", "tiny-llama-full", GPU + steps(30) + ["--train.attention_kernel", "flash"]),
