@@ -313,7 +313,12 @@ def main() -> int:
                         help="time only variants whose names contain one of these words (case-insensitive)")
     parser.add_argument("--sweep", action="store_true",
                         help="first time candidate tiles of the Triton varlen kernels and keep the fastest")
+    parser.add_argument("--shape", type=int, nargs=3, default=None, metavar=("HEADS", "GROUPS", "HEAD_SIZE"),
+                        help="attention's shape (default TinyLlama's: 32 4 64; OpenLLaMA-7B's: 32 32 128)")
     args = parser.parse_args()
+    global HEADS, GROUPS, HEAD_SIZE  # the functions above read them when called
+    if args.shape:
+        HEADS, GROUPS, HEAD_SIZE = args.shape
     if not torch.cuda.is_available():
         print("attention_bench: needs a CUDA device", file=sys.stderr)
         return 2
@@ -321,6 +326,7 @@ def main() -> int:
     lines = [f"# Packed causal attention, forward + backward per row ({torch.cuda.get_device_name()}, torch"
              f" {torch.__version__}, python {platform.python_version()})", "",
              f"Command: `python {' '.join(sys.argv)}`", "",
+             f"Attention: {HEADS} query heads over {GROUPS} k/v groups, head size {HEAD_SIZE}, bf16.", "",
              "| row capacity | samples/step | rows | mean samples/row | variant | kernel us per row (fwd+bwd) | vs litft today |"
              " wall us per row | max abs difference from litft's path (bf16) |",
              "|---|---|---|---|---|---|---|---|---|"]

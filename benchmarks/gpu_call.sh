@@ -4,7 +4,8 @@
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
 #   steps: env | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps) |
-#          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward) |
+#          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward; its options from
+#                     $ATTENTION_ARGS, e.g. "--only Triton --sweep --shape 32 32 128 --tokens 2048 --samples 16") |
 #          lora-kernels (benchmarks/lora_kernel_bench.py: LoRA's A side, fused kernels against the torch ops) |
 #          lora-mlp (benchmarks/lora_mlp_bench.py: the LoRA MLP's middle, FusedLoRAMLP's kernels against the layers apart) |
 #          lora-up (benchmarks/lora_up_bench.py: LoRA's B side, kernels.lora_up_ / lora_up_backward against cuBLAS)
@@ -45,7 +46,7 @@ for step in "$@"; do
               tail -12 "$OUT/lora-mlp.log" ;;
     lora-up) timeout "$left" python3 benchmarks/lora_up_bench.py --out "$OUT/lora-up.md" > "$OUT/lora-up.log" 2>&1 || status=1
              tail -12 "$OUT/lora-up.log" ;;
-    attention) timeout "$left" python3 benchmarks/attention_bench.py --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1 || status=1
+    attention) timeout "$left" python3 benchmarks/attention_bench.py ${ATTENTION_ARGS:-} --out "$OUT/attention.md" > "$OUT/attention.log" 2>&1 || status=1
                tail -20 "$OUT/attention.log" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
