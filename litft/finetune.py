@@ -253,10 +253,10 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
             stack_fc_weights(gpt)  # FusedLoRAMLP: one matmul for fc_1 and fc_2 (after setup_module: it moves weights)
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model, triton_adamw))
         optimizer_used = optimizer_summary(optimizer)
+        # a fused step takes grad_scale (clipping) and found_inf (the loss read a step late: see fit) on the device
+        reads_late = scales_in_step(fabric, optimizer.optimizer)
         if recipe.train.max_grad_norm is not None:
-            optimizer_used["clipping"] = ("norm only; the fused step divides" if scales_in_step(fabric, optimizer.optimizer)
-                                          else "fabric.clip_gradients")
-        reads_late = scales_in_step(fabric, optimizer.optimizer)  # the loss read a step late: see fit
+            optimizer_used["clipping"] = "norm only; the fused step divides" if reads_late else "fabric.clip_gradients"
         say(f"optimizer: {optimizer_used['class']} ({optimizer_used['implementation']}"
             + (f"; clipping: {optimizer_used['clipping']}" if "clipping" in optimizer_used else "")
             + ("; each step's loss read a step late, a non-finite step's update skipped on the device" if reads_late

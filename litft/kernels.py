@@ -867,13 +867,14 @@ if triton is not None:
                  mask=(columns[:, None] < end) & (r[None, :] < R))
 
 
-def _lora_part_table(parts: tuple[tuple[int, int, int, int], ...], block_n: int) -> tuple[list[int], list[int]]:
-    """(the first two parts' column block counts, the parts' (start, end, first row of B, first column of h) laid
-    flat, padded to 3 parts); the kernels find a column block's part from them."""
+def _lora_part_table(parts: tuple[tuple[int, int, int, int], ...], block_n: int
+                     ) -> tuple[int, list[int], list[int]]:
+    """(the parts' column blocks of block_n in all, the first two parts' counts, the parts' (start, end, first row
+    of B, first column of h) laid flat, padded to 3 parts); the kernels find a column block's part from them."""
     assert 1 <= len(parts) <= 3
-    blocks = [triton.cdiv(end - start, block_n) for start, end, _, _ in parts] + [0, 0]
+    blocks = [triton.cdiv(end - start, block_n) for start, end, _, _ in parts]
     padded = list(parts) + [parts[-1]] * (3 - len(parts))  # unused: no block reaches them
-    return blocks[:2], [value for part in padded for value in part]
+    return sum(blocks), (blocks + [0, 0])[:2], [value for part in padded for value in part]
 
 
 # Launches: the fastest of benchmarks/lora_up_bench.py's sweep at a TinyLlama qkv layer's sizes (4,096 rows; parts of
@@ -900,8 +901,7 @@ def lora_up_(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float,
     rows, r = out.shape[0], b.shape[1]
     launch = _lora_up_launch()
     block_m, block_n = block_m or launch["block_m"], block_n or launch["block_n"]
-    blocks, table = _lora_part_table(parts, block_n)
-    total_blocks = sum(triton.cdiv(end - start, block_n) for start, end, _, _ in parts)
+    total_blocks, blocks, table = _lora_part_table(parts, block_n)
     _lora_up_kernel[(triton.cdiv(rows, block_m), total_blocks)](
         out, h, b, rows, r, out.stride(0), h.stride(0), scale, *blocks, *table, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=max(16, _next_power_of_2(r)), PRECISION=_lora_precision(out), num_warps=num_warps or launch["num_warps"])
@@ -923,14 +923,13 @@ def lora_up_backward(grad: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale
     block_r = max(16, _next_power_of_2(r))
     precision = _lora_precision(grad)
     grad_h = torch.empty_like(h) if out is None else out
-    _, table = _lora_part_table(parts, launch["h_block_n"])
+    _, _, table = _lora_part_table(parts, launch["h_block_n"])
     _lora_up_grad_h_kernel[(triton.cdiv(rows, launch["h_block_m"]),)](
         grad, b, grad_h, rows, r, grad.stride(0), grad_h.stride(0), scale, *table, PARTS=len(parts),
         BLOCK_M=launch["h_block_m"], BLOCK_N=launch["h_block_n"], BLOCK_R=block_r, PRECISION=precision,
         num_warps=launch["h_warps"])
     block_n = launch["b_block_n"]
-    blocks, table = _lora_part_table(parts, block_n)
-    column_blocks = sum(triton.cdiv(end - start, block_n) for start, end, _, _ in parts)
+    column_blocks, blocks, table = _lora_part_table(parts, block_n)
     splits, rows_per_split = _row_splits(rows, launch["b_block_m"], column_blocks,
                                          launch["programs_per_sm"] * _sm_count(grad))
     partial = torch.empty((1, splits, b.numel()), dtype=torch.float32, device=grad.device)

@@ -103,6 +103,22 @@ if triton is not None:
         return token, row % GROUP_HEADS, (row < TOKENS * GROUP_HEADS) & (token < n)
 
     @triton.jit
+    def _key_block(q, k_ptr, v_ptr, start, hi, group, token, seg, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                   HEAD_DIM: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr):
+        # keys start ... start + KEYS (before hi) of one group: k, v and the query tile's scores over them, -inf
+        # where a query may not see a key (later, or before its segment's start)
+        key = start + tl.arange(0, KEYS)
+        d = tl.arange(0, HEAD_DIM)
+        inside = (key < hi)[:, None]
+        k = tl.load(k_ptr + key[:, None].to(tl.int64) * k_stride_t + group * k_stride_h + d[None, :],
+                    mask=inside, other=0.0)
+        v = tl.load(v_ptr + key[:, None].to(tl.int64) * v_stride_t + group * v_stride_h + d[None, :],
+                    mask=inside, other=0.0)
+        s = _dot(q, tl.trans(k), None, PRECISION)
+        s = tl.where((key[None, :] <= token[:, None]) & (key[None, :] >= seg[:, None]), s, float("-inf"))
+        return k, v, s
+
+    @triton.jit
     def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_ptr, cu_ptr, n, bounds, max_length, heads,
                         qk_scale, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                         GROUP_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr,
@@ -127,14 +143,8 @@ if triton is not None:
         total = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         for start in range(lo, hi, KEYS):
-            key = start + tl.arange(0, KEYS)
-            inside = (key < hi)[:, None]
-            k = tl.load(k_ptr + key[:, None].to(tl.int64) * k_stride_t + group * k_stride_h + d[None, :],
-                        mask=inside, other=0.0)
-            v = tl.load(v_ptr + key[:, None].to(tl.int64) * v_stride_t + group * v_stride_h + d[None, :],
-                        mask=inside, other=0.0)
-            s = _dot(q, tl.trans(k), None, PRECISION)
-            s = tl.where((key[None, :] <= token[:, None]) & (key[None, :] >= seg[:, None]), s, float("-inf"))
+            k, v, s = _key_block(q, k_ptr, v_ptr, start, hi, group, token, seg, k_stride_t, k_stride_h, v_stride_t,
+                                 v_stride_h, HEAD_DIM, KEYS, PRECISION)
             # running max m of the unscaled scores: 2^(s c - m c) is one fused multiply-add per score
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp2(s * qk_scale - (m_new * qk_scale)[:, None])
@@ -176,14 +186,8 @@ if triton is not None:
         lse = tl.load(lse_ptr + row, mask=valid, other=0.0)
         grad_q = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         for start in range(lo, hi, KEYS):
-            key = start + tl.arange(0, KEYS)
-            inside = (key < hi)[:, None]
-            k = tl.load(k_ptr + key[:, None].to(tl.int64) * k_stride_t + group * k_stride_h + d[None, :],
-                        mask=inside, other=0.0)
-            v = tl.load(v_ptr + key[:, None].to(tl.int64) * v_stride_t + group * v_stride_h + d[None, :],
-                        mask=inside, other=0.0)
-            s = _dot(q, tl.trans(k), None, PRECISION)
-            s = tl.where((key[None, :] <= token[:, None]) & (key[None, :] >= seg[:, None]), s, float("-inf"))
+            k, v, s = _key_block(q, k_ptr, v_ptr, start, hi, group, token, seg, k_stride_t, k_stride_h, v_stride_t,
+                                 v_stride_h, HEAD_DIM, KEYS, PRECISION)
             p = tl.exp2(s * qk_scale - lse[:, None])
             grad_p = _dot(grad_out, tl.trans(v), None, PRECISION)
             grad_s = p * (grad_p - delta[:, None])  # dS = P (dP - delta)
