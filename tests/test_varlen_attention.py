@@ -1,4 +1,4 @@
-"""litft.varlen_attention's Triton kernels against SDPA with a block-diagonal causal mask in fp32 (k and v repeated
+"""litft.varlen_attention's Triton kernels against SDPA with a block-diagonal causal mask in float64 (k and v repeated
 to every head), output and q, k, v gradients: in fp32 (to rounding) and bf16 (within bf16 rounding), grouped heads
 of several sizes, segments of uneven lengths (length 1, a padding tail, empty trailing segments, tiles straddling
 boundaries), segments longer than max_length, dk/dv split over programs. On a CPU-only machine they run in Triton's
@@ -7,6 +7,7 @@ sm_90 without a GPU; the `gpu` variants run the compiled kernels, also at TinyLl
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from litft import kernels, varlen_attention
 from litft.varlen_attention import Tiles, VarlenGQAAttention
@@ -23,7 +24,9 @@ def _needs_triton():
 
 def _reference(q, k, v, cu, max_length, scale):
     """SDPA over the whole row with a block-diagonal causal mask, k and v repeated to every head; queries max_length
-    or more into their segment (a padding tail longer than max_length) give 0 and pass no gradient."""
+    or more into their segment (a padding tail longer than max_length) give 0 and pass no gradient. In float64 by
+    SDPA's math backend: on a GPU an fp32 reference is not exact enough for the fp32 checks, as SDPA may pick its
+    memory-efficient kernel and litft's GPU runs (tests/test_gpu.py, in this process) turn on TF32 matmuls."""
     n, heads, _ = q.shape
     positions = torch.arange(n, device=q.device)
     segment = torch.searchsorted(cu[1:].long(), positions, right=True)
@@ -31,8 +34,9 @@ def _reference(q, k, v, cu, max_length, scale):
     beyond = positions - cu.long()[segment] >= max_length
     allowed &= ~beyond[:, None] | (positions[:, None] == positions[None, :])  # those rows: only themselves, no NaN
     k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale)
     return out.transpose(0, 1) * ~beyond[:, None, None]
 
 
@@ -47,9 +51,9 @@ def _check(device, dtype, n, heads, groups, bounds, head_dim=64, tiles=None, mon
     grad = torch.randn(n, heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5
 
-    leaves = [x.float().clone().requires_grad_() for x in (q, k, v)]  # the same (rounded) values, in fp32
+    leaves = [x.double().clone().requires_grad_() for x in (q, k, v)]  # the same (rounded) values, in float64
     expected = _reference(*leaves, cu, max_length, scale)
-    expected.backward(grad.float())
+    expected.backward(grad.double())
 
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
     out = VarlenGQAAttention.apply(*inputs, cu, max_length, scale)
@@ -59,7 +63,7 @@ def _check(device, dtype, n, heads, groups, bounds, head_dim=64, tiles=None, mon
     for name, actual, wanted in (("out", out, expected), *zip(("dq", "dk", "dv"), (x.grad for x in inputs),
                                                                (x.grad for x in leaves))):
         assert actual.shape == wanted.shape and actual.dtype == dtype, name
-        torch.testing.assert_close(actual.float(), wanted.detach(), **tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual.double(), wanted.detach(), **tolerance, msg=lambda m: f"{name}: {m}")
 
 
 # 90 positions: segments of 1, 7, 30 and 22 positions, a padding tail of 30, two empty trailing segments
