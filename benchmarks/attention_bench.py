@@ -281,18 +281,18 @@ def sweep_triton(rows, width, per_step, repeats: int) -> list[str]:
              " stages[, splits]; dk/dv with its splits' sum)", "", "| forward | us | dq | us | dk/dv | us |", "|---|---|---|---|---|---|"]
     default = dict(varlen_attention.TILES[HEAD_SIZE])
     for i in range(max(len(c) for c in SWEEP.values())):
-        tiles = {kernel: varlen_attention.Tiles(*SWEEP[kernel][min(i, len(SWEEP[kernel]) - 1)]) for kernel in names}
+        candidate = {kernel: tuple(SWEEP[kernel][min(i, len(SWEEP[kernel]) - 1)]) for kernel in names}
+        tiles = {kernel: varlen_attention.Tiles(*candidate[kernel]) for kernel in names}
         varlen_attention.TILES[HEAD_SIZE] = tiles
         cells = []
         try:
             times = kernel_times(run, rows, width, repeats)
         except Exception as err:  # a shape that does not fit (shared memory, registers): recorded, not fatal
-            cells = [f"{tuple(SWEEP[kernel][min(i, len(SWEEP[kernel]) - 1)])} | failed: {type(err).__name__}"
-                     for kernel in names]
+            cells = [f"{candidate[kernel]} | failed: {type(err).__name__}" for kernel in names]
         else:
             for kernel, name in names.items():
                 us = sum(t for n, t in times.items() if any(part in n for part in name))
-                cells.append(f"{tuple(SWEEP[kernel][min(i, len(SWEEP[kernel]) - 1)])} | {us:.1f}")
+                cells.append(f"{candidate[kernel]} | {us:.1f}")
                 if us < best[kernel][0]:
                     best[kernel] = (us, tiles[kernel])
         lines.append("| " + " | ".join(cells) + " |")

@@ -24,7 +24,7 @@ SHAPES = [("qkv", (2048, 256, 256), 22), ("proj", (2048,), 44)]
 def main() -> int:
     from triton.testing import do_bench_cudagraph
 
-    def do_bench(fn, warmup=None, rep=None):
+    def do_bench(fn):  # ms per call, over 20 ms of replays
         return do_bench_cudagraph(fn, rep=20)
 
     from litft import kernels
@@ -72,8 +72,8 @@ def main() -> int:
             return _low_rank_b_backward(grad, h, b_param, scale, slices)
 
         work = out.clone()
-        fwd = do_bench(lambda: add_low_rank_parts_(work, h, b, scale, slices), warmup=10, rep=50)
-        bwd = do_bench(cublas_backward, warmup=10, rep=50)
+        fwd = do_bench(lambda: add_low_rank_parts_(work, h, b, scale, slices))
+        bwd = do_bench(cublas_backward)
         b_param.grad.zero_()
         got_h = cublas_backward()
         err = ((cublas_forward().double() - ref_out).abs().max().item(), (got_h.double() - ref_h).abs().max().item(),
@@ -88,18 +88,16 @@ def main() -> int:
                                                      (64, 128, 8), (128, 64, 4)) for s in (1, 2, 4)]
         if args.quick:
             forward_launches, backward_launches, b_launches = forward_launches[:3], backward_launches[:4], b_launches[:4]
-        best_fwd = None
         for block_m, block_n, warps in forward_launches:
             try:
                 ms = do_bench(lambda: kernels.lora_up_(work, h, b, scale, parts, block_m=block_m, block_n=block_n,
-                                                       num_warps=warps), warmup=10, rep=50)
+                                                       num_warps=warps))
             except Exception as error:  # a launch that does not compile (registers, shared memory) is a result
                 lines.append(f"| {name} | lora_up_ {block_m}x{block_n}, {warps} warps | failed: {type(error).__name__} | | |")
                 continue
             got = kernels.lora_up_(out.clone(), h, b, scale, parts, block_m=block_m, block_n=block_n, num_warps=warps)
             lines.append(f"| {name} | lora_up_ BLOCK_M {block_m}, BLOCK_N {block_n}, {warps} warps | {ms:.4f} | |"
                          f" {(got.double() - ref_out).abs().max().item():.3g} |")
-            best_fwd = min(best_fwd or (ms, ""), (ms, lines[-1]))
         # backward: the h-gradient kernel's launch swept with the B kernel at its default, then the B kernel's
         default = kernels._lora_up_backward_launch()
         results = []
@@ -113,7 +111,7 @@ def main() -> int:
             def run(launch=launch):
                 return kernels.lora_up_backward(grad, h, b, scale, parts, grad_b, **launch)
             try:
-                ms = do_bench(run, warmup=10, rep=50)
+                ms = do_bench(run)
             except Exception as error:
                 lines.append(f"| {name} | lora_up_backward {label} | | failed: {type(error).__name__} | |")
                 continue
