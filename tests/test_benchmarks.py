@@ -1,5 +1,6 @@
-"""benchmarks/vs_litgpt.py against a call it made on the H100: recomputing that call's table from the files it left
-gives back the figures it wrote, and adds the steady-state columns."""
+"""benchmarks/ scripts against files a device call left on the H100, kept small under tests/fixtures/: recomputing a
+recorded vs_litgpt call's table from its files gives back the figures it wrote (and adds the steady-state columns), and
+kernel_diff.py sums a recorded profile by kind of kernel."""
 
 import argparse
 import importlib.util
@@ -11,7 +12,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RECORDED = REPO / "benchmarks" / "results" / "vs-litgpt-tiny-lora-qlora-s7"
+FIXTURES = REPO / "tests" / "fixtures"
+# a recorded `benchmarks/vs_litgpt.py --only lora,qlora` call on the H100 (TinyLlama LoRA and QLoRA, commit 4c8e2d2):
+# its vs_litgpt.json and, per run, what the rescoring reads (LitGPT's log and CSV, litft's log and result.json)
+RECORDED = FIXTURES / "vs-litgpt-call"
+# the kernel table of a profiled TinyLlama LoRA step (--logging.profile 20-21) on the H100, written by a litft that
+# still listed the optimizer's record_function range among the kernels
+PROFILE = FIXTURES / "profile_kernels_lora.txt"
 
 
 def _vs_litgpt():
@@ -23,8 +30,6 @@ def _vs_litgpt():
 
 
 def test_rescoring_a_recorded_call_gives_back_its_figures_and_the_steady_state(tmp_path):
-    if not (RECORDED / "vs_litgpt.json").is_file():
-        pytest.skip("the recorded call is not in this checkout")
     vs_litgpt = _vs_litgpt()
     folder = tmp_path / "call"
     shutil.copytree(RECORDED, folder)
@@ -46,12 +51,12 @@ def test_rescoring_a_recorded_call_gives_back_its_figures_and_the_steady_state(t
 
 
 def test_kernel_diff_sums_a_recorded_profile_by_kind_without_the_optimizer_range():
-    """benchmarks/kernel_diff.py on session 17's LoRA profile gives the figures benchmarks/README.md reports; the
+    """benchmarks/kernel_diff.py on a recorded LoRA profile gives that profile's totals by kind; the
     Optimizer.step#AdamW.step range (1.57 ms per step, written before litft left such ranges out) is not counted."""
     spec = importlib.util.spec_from_file_location("kernel_diff", REPO / "benchmarks" / "kernel_diff.py")
     kernel_diff = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernel_diff)
-    profile = REPO / "benchmarks" / "results" / "s17-ceiling" / "runs" / "lora-profile" / "profile_kernels.txt"
+    profile = PROFILE
     assert "Optimizer.step#AdamW.step" in profile.read_text()
     totals = kernel_diff.read(profile)
     assert totals[kernel_diff.KINDS[0][0]] == pytest.approx(9.49, abs=0.005)  # LoRA's A side
