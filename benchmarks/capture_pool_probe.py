@@ -7,7 +7,7 @@ raised left every later capture into that pool failing with "beginAllocateToPool
 This prints, step by step, what each call raises and which of torch's private pool functions this torch has; then
 what GraphedMicroSteps does after a failed capture (the stream it started on made current again, the random state
 reset, a new pool). On the H100: ending the allocator's recording by hand did not make the old pool usable again; a
-new pool works (benchmarks/results/capture-pool-probe-h100-*.txt).
+new pool works.
 """
 
 import torch

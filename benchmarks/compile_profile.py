@@ -3,8 +3,8 @@
     python benchmarks/compile_profile.py --recipe tiny-llama-lora --out DIR [--steps 3]
 
 Why: on the H100 the compiled TinyLlama LoRA block spends ~61 s in inductor's Scheduler.codegen for its forward graph
-where the full fine-tune's block compiles in ~9 s in all (benchmarks/results/compile-lora-tiny-2, result.json
-compile.seconds_by_phase); on the CPU, where inductor writes C++, the two compile alike. The profile names the
+where the full fine-tune's block compiles in ~9 s in all (a compiled run's result.json, compile.seconds_by_phase);
+on the CPU, where inductor writes C++, the two compile alike. The profile names the
 functions. Writes DIR/compile-profile-RECIPE.txt (pstats by own time and by cumulative time); the run's own folder
 (with its saved weights) goes to /tmp.
 """

@@ -663,9 +663,9 @@ DEFINITIONS = """\
 DIFFERENCES = """\
 What stays different, each tool's own implementation (like-for-like equalises the settings, not the code): litft
 replays each micro-step as a CUDA graph on one GPU, runs eager blocks with its Triton kernels (SwiGLU, RoPE, the
-residual adds fused into the norms, LoRA's seeded dropout, the loss's cross-entropy; before session 12,
+residual adds fused into the norms, LoRA's seeded dropout, the loss's cross-entropy; before commit 3886978,
 `compile: auto` compiled blocks for long runs, none of the 1,024-row ones), computes the loss in chunks of
-`train.loss_chunk` positions (4,096 from session 12, 1,024 before; LitGPT chunks the output layer by 128 positions),
+`train.loss_chunk` positions (4,096 since commit 0f5fe38, 1,024 before; LitGPT chunks the output layer by 128 positions),
 and uses its own layers (packed rows' varlen attention, matmul LoRA layers, torch's fused rms_norm); LitGPT logs (a device sync) every micro-batch. LitGPT's QLoRA swaps the embedding for bitsandbytes' StableEmbedding after building the optimizer (the
 new embedding has requires_grad on but is not in the optimizer). LitGPT has no gradient clipping in these scripts and
 no single-device activation checkpointing, hence like-for-like turns both off in litft. After training, LitGPT saves
