@@ -109,7 +109,7 @@ def grouped_flash_call(segments_of):
 
 def triton_varlen_call(segments_of):
     """litft's Triton kernels (varlen_attention.VarlenGQAAttention), called as grouped_flash_call calls flash."""
-    from litft.varlen_attention import VarlenGQAAttention
+    from litft.kernels.varlen_attention import VarlenGQAAttention
 
     def run(q, k, v, row, width):
         cu = cu_seqlens(row, width, segments_of(row), q.device)
@@ -272,7 +272,7 @@ SWEEP = {
 def sweep_triton(rows, width, per_step, repeats: int) -> list[str]:
     """Time SWEEP's candidates of the Triton kernels (per kernel, microseconds per row), then keep the fastest of
     each in varlen_attention.TILES for the rest of the run. Returns markdown lines."""
-    from litft import varlen_attention
+    from litft.kernels import varlen_attention
 
     names = {"forward": ("_forward_kernel",), "dq": ("_dq_kernel",), "dkdv": ("_dkdv_kernel", "_sum_splits_kernel")}
     run = triton_varlen_call(lambda row: per_step + 1)
@@ -374,7 +374,7 @@ def main() -> int:
             lines.append(f"| {capacity} | {per_step} | {len(rows)} | {mean:.1f} | {name} | {us:.1f} | {us / base:.2f}x"
                          f" | {wall:.1f} | {errors} |")
         from litft.model import GroupedFlashAttention
-        from litft.varlen_attention import VarlenGQAAttention
+        from litft.kernels.varlen_attention import VarlenGQAAttention
 
         scale = HEAD_SIZE ** -0.5
         for name, fn in {

@@ -28,6 +28,7 @@ def main() -> int:
         return do_bench_cudagraph(fn, rep=20)
 
     from litft import kernels
+    from litft.kernels import lora_b
     from litft.model import _low_rank_b_backward, add_low_rank_parts_
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -99,7 +100,7 @@ def main() -> int:
             lines.append(f"| {name} | lora_up_ BLOCK_M {block_m}, BLOCK_N {block_n}, {warps} warps | {ms:.4f} | |"
                          f" {(got.double() - ref_out).abs().max().item():.3g} |")
         # backward: the h-gradient kernel's launch swept with the B kernel at its default, then the B kernel's
-        default = kernels._lora_up_backward_launch()
+        default = lora_b._lora_up_backward_launch()
         results = []
         for block_m, block_n, warps in backward_launches:
             launch = dict(default, h_block_m=block_m, h_block_n=block_n, h_warps=warps)

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from litft import kernels, varlen_attention
+from litft import kernels
+from litft.kernels import varlen_attention
 from litft.errors import CheckpointError, ConfigError
 from litft.recipe import Recipe, resolve_path
 

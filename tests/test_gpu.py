@@ -36,7 +36,8 @@ def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
     if any(name in r["device"].lower() for name in ("h100", "h200", "a100")):
         assert 0 < r["throughput"]["mfu"] < 1
     assert next(result.model.parameters()).dtype == torch.bfloat16
-    assert r["optimizer"] == {"class": "litft.kernels.AdamW", "implementation": "Triton kernel (litft.kernels.AdamW)",
+    assert r["optimizer"] == {"class": "litft.kernels.adamw.AdamW",
+                              "implementation": "Triton kernel (litft.kernels.AdamW)",
                               "clipping": "norm only; the fused step divides"}
     assert r["grad_into_weights"] is True
     # the tiny model's heads of 8 keep flash attention (model.TRITON_ATTENTION_HEAD_SIZES)

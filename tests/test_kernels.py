@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from litft import kernels
+from litft.kernels import adamw, lora_mask
 from litft.model import SwiGLU
 
 _adamw_step = kernels.adamw_step_  # the kernel's launcher, before a test wraps it
@@ -259,9 +260,9 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, skip,
     from litft.finetune import clip_gradients
 
     fabric = L.Fabric(accelerator=device, devices=1)
-    monkeypatch.setattr(kernels, "ADAMW_TRITON_MIN_NUMEL", 1000)  # the weights (4,800 and 6,000), not the biases
+    monkeypatch.setattr(adamw, "ADAMW_TRITON_MIN_NUMEL", 1000)  # the weights (4,800 and 6,000), not the biases
     launched = []
-    monkeypatch.setattr(kernels, "adamw_step_", lambda p, *args, **kw: launched.append(p.numel()) or
+    monkeypatch.setattr(adamw, "adamw_step_", lambda p, *args, **kw: launched.append(p.numel()) or
                         _adamw_step(p, *args, **kw))
 
     def gradient(p, step):  # the same for both optimizers, whatever their weights became
@@ -331,7 +332,7 @@ def _lora_mask(rows: int, k: int, p: float, seed: torch.Tensor, device) -> torch
 
 
 def _mix32_reference(x):
-    """kernels._mix32 in numpy's wrapping uint32 arithmetic."""
+    """lora_mask._mix32 in numpy's wrapping uint32 arithmetic."""
     import numpy as np
 
     x = np.asarray(x, dtype=np.uint32)
@@ -342,7 +343,7 @@ def _mix32_reference(x):
 
 
 def _lora_mask_reference(rows: int, k: int, p: float, seed: int) -> torch.Tensor:
-    """The keep mask as the comment above kernels._LORA_P_BITS specifies it, computed apart from the kernels: word
+    """The keep mask as litft.kernels.lora_mask's docstring specifies it, computed apart from the kernels: word
     row x ceil(k / 64) x 32 + col // 2, XORed with the key of the seed, hashed; the low 16 bits for the even column,
     the high 16 for the odd one; kept when at least p16."""
     import numpy as np
@@ -352,7 +353,7 @@ def _lora_mask_reference(rows: int, k: int, p: float, seed: int) -> torch.Tensor
     words = (row * (-(-k // 64) * 32) + col // 2).astype(np.uint32)
     uniforms = _mix32_reference(words ^ key)
     halves = np.where(col % 2 == 0, uniforms & np.uint32(0xFFFF), uniforms >> np.uint32(16))
-    return torch.from_numpy(halves >= kernels._lora_p16(p)[0])
+    return torch.from_numpy(halves >= lora_mask._lora_p16(p)[0])
 
 
 def test_lora_masks_are_the_specified_hash_and_look_independent():
@@ -398,7 +399,7 @@ def test_lora_down_kernels_apply_one_mask_forward_and_backward(device, grad_in):
     assert 0.2 < 1 - mask.float().mean().item() < 0.3
     assert torch.equal(_lora_mask(rows, k, p, seed, device), mask)
     assert not torch.equal(_lora_mask(rows, k, p, seed + 1, device), mask)
-    p16, scale = kernels._lora_p16(p)
+    p16, scale = lora_mask._lora_p16(p)
     assert p16 == 16384 and scale == 1 / (1 - p)  # 0.25 is a multiple of 2^-16: exact
     x, a = torch.randn(rows, k, device=device), torch.randn(r, k, device=device)
     # references in float64: a GPU session may have set fp32 matmuls to TF32 (torch.set_float32_matmul_precision)
@@ -580,7 +581,7 @@ def test_lora_down_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
     against torch's matmuls over the same mask, within bf16 rounding; and a mask rate of p."""
     torch.manual_seed(0)
     p = 0.05
-    p16, scale = kernels._lora_p16(p)
+    p16, scale = lora_mask._lora_p16(p)
     assert abs(p16 / 65536 - p) < 1e-5
     for k, r in ((2048, 96), (5632, 32)):
         seed = torch.tensor([4242], device="cuda")
@@ -670,7 +671,7 @@ def test_swiglu_lora_kernels_in_bf16_on_cuda_match_torch_at_training_sizes():
     rows, k, r, p, salt = 4096, 5632, 32, 0.05, 21
     seed = torch.tensor([8642], device="cuda")
     mask = _lora_mask(rows, k, p, seed + salt, "cuda").double()
-    scale = kernels._lora_p16(p)[1]
+    scale = lora_mask._lora_p16(p)[1]
 
     def bf16(*shape, std=1.0):
         return (torch.randn(*shape, device="cuda") * std).to(torch.bfloat16)
@@ -727,6 +728,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from litft import kernels
+from litft.kernels import lora_a, lora_b, splits, swiglu_lora
 
 def compile_for_sm90(kernel, signature, constexprs):
     num_warps = constexprs.pop("num_warps", 4)
@@ -753,21 +755,21 @@ backward = {"x_ptr": "*bf16", "gate_ptr": "*bf16", "a_ptr": "*bf16", "a2_ptr": "
             "SWIGLU": "constexpr", "PAIR": "constexpr", "DROPOUT": "constexpr"}
 for k, r in ((2048, 16), (2048, 32), (2048, 96), (5632, 32)):  # every launch _lora_down*_launch picks
     block_r = max(16, kernels._next_power_of_2(r))
-    launch = kernels._lora_down_launch(k)
+    launch = lora_a._lora_down_launch(k)
     pairs = (False, True) if (k, r) == (2048, 32) else (False,)  # the pair: LLaMA's fc_1 and fc_2 over one input
     for out in ("*bf16", "*fp32"):  # the result, or the splits' partial sums
         for pair, dropout in itertools.product(pairs, (True, False)):  # dropout False: p = 0, no mask drawn
-            compile_for_sm90(kernels._lora_down_kernel, dict(forward, out_ptr=out),
+            compile_for_sm90(lora_a._lora_down_kernel, dict(forward, out_ptr=out),
                              {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                               "PRECISION": "tf32", "PAIR": pair,
                               "DROPOUT": dropout, "num_warps": launch["num_warps"]})
-    launch = kernels._lora_down_backward_launch(k, r)
+    launch = lora_a._lora_down_backward_launch(k, r)
     variants = [(True, True, False, False), (False, True, False, False), (False, False, False, False),
                 (True, True, True, False)]  # (HAS_GRAD_IN, WRITE_GRAD_X, SWIGLU, PAIR)
     if True in pairs:
         variants += [(True, True, False, True), (False, False, False, True)]
     for has_grad_in, write_grad_x, swiglu, pair in variants:
-        compile_for_sm90(kernels._lora_down_backward_kernel, backward,
+        compile_for_sm90(lora_a._lora_down_backward_kernel, backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": block_r,
                           "HAS_GRAD_IN": has_grad_in, "WRITE_GRAD_X": write_grad_x, "PRECISION": "tf32",
                           "SWIGLU": swiglu, "PAIR": pair,
@@ -788,34 +790,34 @@ mlp_backward = {"grad_ptr": "*bf16", "gate_ptr": "*bf16", "up_ptr": "*bf16", "h_
                 "BLOCK_R": "constexpr", "PRECISION": "constexpr", "B_GRADS": "constexpr",
                 "DROPOUT": "constexpr"}
 for k in (5632, 2048):  # TinyLlama's intermediate size, and a small one (one split)
-    launch = kernels._swiglu_lora_forward_launch(k)
+    launch = swiglu_lora._swiglu_lora_forward_launch(k)
     for hp, dropout in (("*bf16", True), ("*fp32", True), ("*fp32", False)):
-        compile_for_sm90(kernels._swiglu_lora_forward_kernel, dict(mlp_forward, hp_ptr=hp),
+        compile_for_sm90(swiglu_lora._swiglu_lora_forward_kernel, dict(mlp_forward, hp_ptr=hp),
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32, "PRECISION": "tf32",
                           "DROPOUT": dropout, "num_warps": launch["num_warps"]})
-    launch = kernels._swiglu_lora_backward_launch(k)
+    launch = swiglu_lora._swiglu_lora_backward_launch(k)
     for b_grads in (True, False):
-        compile_for_sm90(kernels._swiglu_lora_backward_kernel, mlp_backward,
+        compile_for_sm90(swiglu_lora._swiglu_lora_backward_kernel, mlp_backward,
                          {"BLOCK_M": launch["block_m"], "BLOCK_K": launch["block_k"], "BLOCK_R": 32,
                           "PRECISION": "tf32", "B_GRADS": b_grads,
                           "DROPOUT": b_grads, "num_warps": launch["num_warps"]})
 parts = {f"{name}{i}": "i32" for i in range(3) for name in ("start", "end", "b_row", "h_column")}
-up_launch, up_backward_launch = kernels._lora_up_launch(), kernels._lora_up_backward_launch()
-compile_for_sm90(kernels._lora_up_kernel,
+up_launch, up_backward_launch = lora_b._lora_up_launch(), lora_b._lora_up_backward_launch()
+compile_for_sm90(lora_b._lora_up_kernel,
                  {"out_ptr": "*bf16", "h_ptr": "*bf16", "b_ptr": "*bf16", "M": "i32", "R": "i32", "stride_out": "i32",
                   "stride_h": "i32", "scale": "fp32", "blocks0": "i32", "blocks1": "i32", **parts,
                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"},
                  {"BLOCK_M": up_launch["block_m"], "BLOCK_N": up_launch["block_n"], "BLOCK_R": 32, "PRECISION": "tf32",
                   "num_warps": up_launch["num_warps"]})
 for count in (1, 3):  # a LoRALinear's one part; q, k and v
-    compile_for_sm90(kernels._lora_up_grad_h_kernel,
+    compile_for_sm90(lora_b._lora_up_grad_h_kernel,
                      {"grad_ptr": "*bf16", "b_ptr": "*bf16", "grad_h_ptr": "*bf16", "M": "i32", "R": "i32",
                       "stride_grad": "i32", "stride_grad_h": "i32", "scale": "fp32", **parts, "PARTS": "constexpr",
                       "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "PRECISION": "constexpr"},
                      {"PARTS": count, "BLOCK_M": up_backward_launch["h_block_m"],
                       "BLOCK_N": up_backward_launch["h_block_n"], "BLOCK_R": 32, "PRECISION": "tf32",
                       "num_warps": up_backward_launch["h_warps"]})
-compile_for_sm90(kernels._lora_up_grad_b_kernel,
+compile_for_sm90(lora_b._lora_up_grad_b_kernel,
                  {"grad_ptr": "*bf16", "h_ptr": "*bf16", "partial_ptr": "*fp32", "M": "i32", "R": "i32",
                   "b_rows": "i32", "stride_grad": "i32", "stride_h": "i32", "scale": "fp32", "rows_per_split": "i32",
                   "blocks0": "i32", "blocks1": "i32", **parts, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
@@ -823,10 +825,10 @@ compile_for_sm90(kernels._lora_up_grad_b_kernel,
                  {"BLOCK_M": up_backward_launch["b_block_m"], "BLOCK_N": up_backward_launch["b_block_n"], "BLOCK_R": 32,
                   "PRECISION": "tf32", "num_warps": up_backward_launch["b_warps"]})
 for accumulate in (True, False):
-    compile_for_sm90(kernels._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "grad2_ptr": "*bf16",
-                                                     "grad3_ptr": "*bf16", "n": "i32", "splits": "i32",
-                                                     "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
-                     {"BLOCK": kernels._PARTIALS_BLOCK, "ACCUMULATE": accumulate, "num_warps": 4})
+    compile_for_sm90(splits._add_partials_kernel, {"partial_ptr": "*fp32", "grad_ptr": "*bf16", "grad2_ptr": "*bf16",
+                                                    "grad3_ptr": "*bf16", "n": "i32", "splits": "i32",
+                                                    "BLOCK": "constexpr", "ACCUMULATE": "constexpr"},
+                     {"BLOCK": splits._PARTIALS_BLOCK, "ACCUMULATE": accumulate, "num_warps": 4})
 print("compiled")
 """
 

@@ -1,6 +1,6 @@
-"""litft.varlen_attention's Triton kernels against SDPA with a block-diagonal causal mask in float64 (k and v repeated
-to every head), output and q, k, v gradients: in fp32 (to rounding) and bf16 (within bf16 rounding), grouped heads
-of several sizes, segments of uneven lengths (length 1, a padding tail, empty trailing segments, tiles straddling
+"""litft.kernels.varlen_attention's Triton kernels against SDPA with a block-diagonal causal mask in float64 (k and v
+repeated to every head), output and q, k, v gradients: in fp32 (to rounding) and bf16 (within bf16 rounding), grouped
+heads of several sizes, segments of uneven lengths (length 1, a padding tail, empty trailing segments, tiles straddling
 boundaries), segments longer than max_length, dk/dv split over programs. On a CPU-only machine they run in Triton's
 interpreter (tests/conftest.py sets TRITON_INTERPRET), at small sizes, and Triton's compiler builds the kernels for
 sm_90 without a GPU; the `gpu` variants run the compiled kernels, also at TinyLlama's size with the module's tiles."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from litft import kernels, varlen_attention
-from litft.varlen_attention import Tiles, VarlenGQAAttention
+from litft import kernels
+from litft.kernels import varlen_attention
+from litft.kernels.varlen_attention import Tiles, VarlenGQAAttention
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # small tiles for the interpreter: several key blocks per query tile and several query steps per key block
@@ -132,7 +133,7 @@ import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from litft import varlen_attention as va
+from litft.kernels import varlen_attention as va
 
 POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "seg_ptr": "*i32", "cu_ptr": "*i32"}
 for head_dim in (64, 128):

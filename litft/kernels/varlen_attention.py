@@ -25,9 +25,9 @@ Segment starts per token come from a binary search of cu_seqlens in the forward 
 pass. The logsumexp is kept in base 2 of the scaled scores (lse2 = log2 sum 2^(s scale log2 e)): the kernels use
 exp2. fp32 inputs take fp32 matrix products ("ieee"), for tests and checks.
 
-H100 (benchmarks/attention_bench.py, TinyLlama's shapes, 4,096-position rows of ~13.5 samples, kernel time per
-row): forward 36 us, dq 40 us, dk/dv 85 us, 158 us in all against 314 us for GroupedFlashAttention's flash kernels
-and their reductions; rows of 2,048: 100 against 177 us.
+Measured on an H100 (benchmarks/attention_bench.py, TinyLlama's shapes, 4,096-position rows of ~13.5 samples,
+kernel time per row; docs/speed.md): forward 36 us, dq 40 us, dk/dv 85 us, 158 us in all against 314 us for
+GroupedFlashAttention's flash kernels and their reductions; rows of 2,048: 100 against 177 us.
 """
 
 from __future__ import annotations
@@ -37,11 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch builds do not ship Triton
-    triton = None
+from litft.kernels import tl, triton
 
 
 @dataclass(frozen=True)
