@@ -1,8 +1,8 @@
 """Two runs' GPU time per optimizer step by kind of kernel, side by side, from their profile_kernels.txt (written by
 `litft finetune --logging.profile A-B` on CUDA: every kernel of the window, ms per step).
 
-    python benchmarks/kernel_diff.py benchmarks/results/s17-ceiling/runs/q-head-profile/profile_kernels.txt \\
-        benchmarks/results/s17-ceiling/runs/lora-profile/profile_kernels.txt
+    python benchmarks/kernel_diff.py DIR/runs/before-profile/profile_kernels.txt \\
+        DIR/runs/after-profile/profile_kernels.txt
 
 Rows named like a record_function range (Optimizer.step#AdamW.step) span kernels that are listed anyway; files
 written before litft left them out still hold them, and they are skipped here.

@@ -140,7 +140,7 @@ def main() -> int:
                 continue
             lines.append(f"| {rows} | {label} | {ms:.4f} | | |")
             best_f = min(best_f, (ms, label))
-        # session 18's first sweep (BLOCK_M 32-64, BLOCK_K 64-128, 4-8 warps) found the larger tiles slower, down to
+        # an earlier sweep (BLOCK_M 32-64, BLOCK_K 64-128, 4-8 warps) found the larger tiles slower, down to
         # 4x (registers spilled): here smaller tiles, fewer warps, and the B gradients by cuBLAS (b_grads False)
         backward_launches = [dict(block_m=m_, block_k=k_, num_warps=w, programs_per_sm=s_, b_grads=b)
                              for b, m_, k_, w, s_ in itertools.product((True, False), (16, 32), (32, 64), (2, 4),
