@@ -12,7 +12,6 @@ import torch
 from litgpt.prompts import PromptStyle
 from litgpt.tokenizer import Tokenizer
 
-from litft import data as data_module
 from litft.data import (
     IGNORE_INDEX,
     EpochBatchSampler,
@@ -25,6 +24,7 @@ from litft.data import (
     split_records,
     tokenize_records,
 )
+from litft.data import tokenize as tokenize_module
 from litft.errors import CheckpointError, ConfigError, DataError
 from litft.recipe import DataConfig, DataFields
 
@@ -316,7 +316,7 @@ def test_batch_fast_path_matches_litgpt_encode(tokenizer, bos_tokenizer, with_bo
     texts = ["Hello world.", "", "<s> already starts with BOS", "ends with EOS </s>", "ünïcode ✓"]
     for bos, eos in [(None, False), (False, True), (True, True)]:
         expected = [tok.encode(t, bos=bos, eos=eos).tolist() for t in texts]
-        assert data_module._encode_many(tok, texts, bos=bos, eos=eos) == expected
+        assert tokenize_module._encode_many(tok, texts, bos=bos, eos=eos) == expected
 
 
 def test_fast_path_falls_back_to_litgpt_encode_when_they_disagree(tokenizer):
@@ -327,7 +327,7 @@ def test_fast_path_falls_back_to_litgpt_encode_when_they_disagree(tokenizer):
     drifted = Drifted.__new__(Drifted)
     drifted.__dict__.update(tokenizer.__dict__)
     texts = ["one", "two"]
-    assert data_module._encode_many(drifted, texts, bos=False, eos=True) == [
+    assert tokenize_module._encode_many(drifted, texts, bos=False, eos=True) == [
         drifted.encode(t, bos=False, eos=True).tolist() for t in texts
     ]
 
