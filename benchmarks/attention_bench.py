@@ -98,7 +98,7 @@ def varlen_call(segments_of, max_of):
 
 def grouped_flash_call(segments_of):
     """litft's own path (model.GroupedFlashAttention): flash attention's varlen ops, k and v at their groups."""
-    from litft.model import GroupedFlashAttention
+    from litft.layers.attention import GroupedFlashAttention
 
     def run(q, k, v, row, width):
         cu = cu_seqlens(row, width, segments_of(row), q.device)
@@ -373,7 +373,7 @@ def main() -> int:
             errors = max_errors(run, reference, rows[:4], width) if "cuDNN" in name or "Triton" in name else ""
             lines.append(f"| {capacity} | {per_step} | {len(rows)} | {mean:.1f} | {name} | {us:.1f} | {us / base:.2f}x"
                          f" | {wall:.1f} | {errors} |")
-        from litft.model import GroupedFlashAttention
+        from litft.layers.attention import GroupedFlashAttention
         from litft.kernels.varlen_attention import VarlenGQAAttention
 
         scale = HEAD_SIZE ** -0.5

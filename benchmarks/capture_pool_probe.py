@@ -24,7 +24,7 @@ def attempt(what, fn):
 
 
 def main() -> None:
-    from litft.finetune import reset_capture_state
+    from litft.train.engines import reset_capture_state
 
     print("torch", torch.__version__)
     print("pool functions:", sorted(n for n in dir(torch._C) if "Pool" in n and n.startswith("_cuda")))

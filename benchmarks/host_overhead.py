@@ -29,10 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from litft.finetune import build_optimizer  # noqa: E402
-from litft.model import CausalLM, build_model, model_config, use_fast_layers  # noqa: E402
+from litft.layers import use_fast_layers  # noqa: E402
+from litft.model import CausalLM, build_model, model_config  # noqa: E402
+from litft.plan import resolve  # noqa: E402
 from litft.recipe import load_recipe  # noqa: E402
 from litft.strategy import build_fabric  # noqa: E402
+from litft.train.optim import build_optimizer  # noqa: E402
 
 SAMPLE_TOKENS = 256  # the benchmark data's mean sample is ~250 tokens
 
@@ -134,9 +136,9 @@ def main() -> int:
     config = model_config(recipe)
     fabric.seed_everything(0)
     gpt = build_model(fabric, recipe, config)
-    use_fast_layers(gpt)
+    use_fast_layers(gpt)  # the layers any device runs (the Triton ones off: compile modes are measured here)
     model = fabric.setup_module(CausalLM(gpt, recipe.train.loss_chunk, recipe.data.max_seq_length))
-    optimizer = fabric.setup_optimizers(build_optimizer(recipe, model))
+    optimizer = fabric.setup_optimizers(build_optimizer(recipe, model, resolve(recipe, config, fabric.device.type, 1)))
     del optimizer  # built so memory matches a run's layout; only forward+backward are timed
 
     rows = []

@@ -1,4 +1,4 @@
-"""LoRA's A side at TinyLlama's sizes on the GPU: model.FusedLoRA's two Triton kernels (kernels.lora_down and
+"""LoRA's A side at TinyLlama's sizes on the GPU: layers.lora_fused.FusedLoRA's two Triton kernels (kernels.lora_down and
 kernels.lora_down_backward, the dropout drawn inside) against what LowRankUpdate after SeededDropout runs for the same
 work (the dropout kernel, cuBLAS matmuls, and autograd's add of the adapter's input gradient to the frozen layer's),
 over a few launch configurations (lora_down's columns split over 1-8 programs per row block among them), then the
@@ -11,7 +11,7 @@ so these are cold-cache times).
 Per layer and micro-batch of M positions, the A side's shapes: q, k, v (K = 2,048, R = 3 x 32), attention's proj,
 fc_1, fc_2 and the output layer (K = 2,048, R = 32), the MLP's proj (K = 5,632, R = 32); a TinyLlama micro-batch
 runs 22, 67 and 22 of them. The table's last column weighs each shape by that count. Last, fc_1 and fc_2's A sides
-as model.FusedLoRAPair runs them (one launch each way over their shared input) against two launches and an add.
+as layers.lora_fused.FusedLoRAPair runs them (one launch each way over their shared input) against two launches and an add.
 """
 
 from __future__ import annotations
@@ -103,10 +103,10 @@ def main() -> int:
     lines += ["", "The bandwidth floor at 3.35 TB/s (ms): forward reads x; backward reads x and grad_in, writes grad_x",
               "",
               "| M | shape (K, R) | forward | backward |", "|---|---|---|---|"] + floor_lines
-    # model.FusedLoRAPair's launches (fc_1 and fc_2 over one input: K 2,048, R 32 each) against FusedLoRA's two,
+    # layers.lora_fused.FusedLoRAPair's launches (fc_1 and fc_2 over one input: K 2,048, R 32 each) against FusedLoRA's two,
     # the default launches; backward: two kernels, each adding into its own copy of the frozen input gradient, and
     # the add of the two that autograd runs, against one kernel adding both shares
-    lines += ["", "fc_1 and fc_2 together (model.FusedLoRAPair) or apart (two FusedLoRA and autograd's add), ms:", "",
+    lines += ["", "fc_1 and fc_2 together (layers.lora_fused.FusedLoRAPair) or apart (two FusedLoRA and autograd's add), ms:", "",
               "| M | forward: apart | forward: pair | backward: apart | backward: pair |", "|---|---|---|---|---|"]
     for rows in args.rows:
         x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The middle of a LoRA LLaMA MLP at TinyLlama's sizes on the GPU: model.FusedLoRAMLP's two Triton kernels
+"""The middle of a LoRA LLaMA MLP at TinyLlama's sizes on the GPU: layers.lora_fused.FusedLoRAMLP's two Triton kernels
 (kernels.swiglu_lora_forward / swiglu_lora_backward) against what FusedLoRAPair + SwiGLU + FusedLoRA run for the same
 work between the frozen matmuls, over a few launch configurations of the new kernels. Times from
 triton.testing.do_bench (median, ms; the L2 cache cleared before each run).
@@ -28,7 +28,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     from litft import kernels
-    from litft.model import _low_rank_b_backward
+    from litft.layers.lora_math import low_rank_b_backward
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -65,8 +65,8 @@ def main() -> int:
                                                      gate=gate0)
             grad_gate, grad_up = kernels.swiglu_backward(grad_out, gate0, up0)
             g = torch.empty_like(after_a)
-            _low_rank_b_backward(grad_gate, after_a[:, :R], b1, 0.5, parts, out=g[:, :R])
-            _low_rank_b_backward(grad_up, after_a[:, R:], b2, 0.5, parts, out=g[:, R:])
+            low_rank_b_backward(grad_gate, after_a[:, :R], b1, 0.5, parts, out=g[:, :R])
+            low_rank_b_backward(grad_up, after_a[:, R:], b2, 0.5, parts, out=g[:, R:])
 
         def clones():  # what the clones above cost, taken off "before"
             return gate0.clone(), up0.clone(), grad_in.clone()

@@ -1,6 +1,6 @@
 """LoRA's B side at TinyLlama's sizes on the GPU: kernels.lora_up_ / lora_up_backward (one launch forward for every
 part, two launches and an add of partial sums backward) against the cuBLAS matmuls model.py ran before them
-(add_low_rank_parts_: one addmm_ per part; _low_rank_b_backward: two per part), over a sweep of launches. Times from
+(add_low_rank_parts_: one addmm_ per part; low_rank_b_backward: two per part), over a sweep of launches. Times from
 triton.testing.do_bench_cudagraph (ms per call, replayed from a CUDA graph as a training step runs them: GPU time,
 without the host's launch time, which do_bench would count for launches this short), and the largest difference
 from float64.
@@ -29,7 +29,7 @@ def main() -> int:
 
     from litft import kernels
     from litft.kernels import lora_b
-    from litft.model import _low_rank_b_backward, add_low_rank_parts_
+    from litft.layers.lora_math import add_low_rank_parts_, low_rank_b_backward
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -70,7 +70,7 @@ def main() -> int:
             return add_low_rank_parts_(out.clone(), h, b, scale, slices)
 
         def cublas_backward():
-            return _low_rank_b_backward(grad, h, b_param, scale, slices)
+            return low_rank_b_backward(grad, h, b_param, scale, slices)
 
         work = out.clone()
         fwd = do_bench(lambda: add_low_rank_parts_(work, h, b, scale, slices))

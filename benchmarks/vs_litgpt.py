@@ -747,9 +747,10 @@ def write_report(out: Path, invocation: str, env: dict, setup: list[str], runs: 
 
 def figures(run: Run, code: int, config, lengths: list[int], env: dict) -> dict:
     """One run's row of the table, from what its process left: LitGPT's log and CSV, or litft's result.json."""
-    from litft.metrics import compute_dtype, peak_flops
+    from litft.metrics import peak_flops
+    from litft.precision import Precision
 
-    peak = peak_flops(env["gpu"], compute_dtype(run.recipe.precision)) if env.get("gpu") else None
+    peak = peak_flops(env["gpu"], Precision(run.recipe.precision).peak_flops_key()) if env.get("gpu") else None
     make_row = litgpt_row if run.tool == "LitGPT" else litft_row
     return make_row(run, code, config, lengths, peak)
 

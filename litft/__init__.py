@@ -8,7 +8,6 @@ __version__ = "0.1.0"
 
 from litft.recipe import Recipe, load_recipe, validate  # noqa: E402
 
-# Bound after the submodule import, so `litft.finetune` is the function (not the module litft.finetune).
-from litft.finetune import RunResult, finetune  # noqa: E402
+from litft.train import RunResult, finetune  # noqa: E402
 
 __all__ = ["Recipe", "RunResult", "load_recipe", "validate", "finetune", "__version__"]

@@ -1,4 +1,4 @@
-"""Checkpoints that are whole or ignored, and exact resume.
+"""Checkpoints that are whole or ignored, exact resume, and the run's final weights.
 
 A checkpoint is a folder out_dir/checkpoints/step-NNNNNN holding:
 
@@ -12,10 +12,15 @@ A checkpoint is a folder out_dir/checkpoints/step-NNNNNN holding:
 It is written into a temporary folder beside it, every file fsynced, COMMIT.json last, then renamed into place and
 the parent folder fsynced. A folder without COMMIT.json, or whose files do not match it, is never resumed from. Old
 checkpoints are deleted only after their successor is committed (train.keep_last_n).
+
+The final weights (out_dir/final) are written in LitGPT's layout, so LitGPT's tools load them: lit_model.pth (full)
+or lit_model.pth.lora (the adapters), model_config.yaml, the tokenizer files and hyperparameters.yaml; with
+`merge: true` also final/merged/lit_model.pth, base + adapters as plain weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,9 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from litft.errors import CheckpointError, ConfigError
-from litft.recipe import Recipe, config_hash, recipe_to_dict, recipe_to_yaml
+from litft.files import fsync_dir, fsync_file, torch_save_atomic
+from litft.model import lora_kwargs
+from litft.recipe import Recipe, config_hash, recipe_to_dict, recipe_to_yaml, resolve_path
 
 COMMIT = "COMMIT.json"
 FILES = ("trainable.pth", "optimizer.pth", "state.pth", "config.yaml")
@@ -37,19 +45,6 @@ FILES = ("trainable.pth", "optimizer.pth", "state.pth", "config.yaml")
 
 def checkpoints_dir(out_dir: Path) -> Path:
     return out_dir / "checkpoints"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -115,17 +110,17 @@ def save_checkpoint(out_dir: Path, recipe: Recipe, step: int, trainable: dict, o
             time.sleep(delay)
         files = {}
         for name in FILES:
-            _fsync_file(tmp / name)
+            fsync_file(tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
         import litft
 
         commit = {"step": step, "config_hash": config_hash(recipe), "litft": litft.__version__, "files": files}
         (tmp / COMMIT).write_text(json.dumps(commit, indent=2), encoding="utf-8")
-        _fsync_file(tmp / COMMIT)
+        fsync_file(tmp / COMMIT)
         if final.exists():  # a committed checkpoint of the same step (a rerun): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
@@ -188,8 +183,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         }
     except Exception as err:
         raise CheckpointError(f"checkpoint '{path}' cannot be loaded: {type(err).__name__}: {err}") from None
-    import yaml
-
     loaded["config"] = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
     loaded["commit"] = commit
     loaded["path"] = path
@@ -238,3 +231,94 @@ def resume_differences(saved: dict, recipe: Recipe) -> tuple[list[str], list[str
     warn = [f"{key}: checkpoint {then(key)!r}, now {_get(now, key)!r} (the new value is used)"
             for key in _WARN if then(key) != _get(now, key)]
     return refuse, warn
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The final weights
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def save_final(fabric, recipe: Recipe, config, gpt: torch.nn.Module, out_dir: Path) -> None:
+    """out_dir/final: lit_model.pth (full) or lit_model.pth.lora (adapter), with the files LitGPT's tools need; with
+    recipe.merge, final/merged too. Each weights file is written whole or not at all."""
+    final = out_dir / "final"
+    is_lora = recipe.method in ("lora", "qlora")
+    state = trainable_state_dict(gpt) if is_lora else gpt.state_dict()
+    if fabric.global_rank == 0:
+        write_checkpoint_files(recipe, config, final)
+        name = "lit_model.pth.lora" if is_lora else "lit_model.pth"
+        torch_save_atomic(state, final / name)
+        if is_lora and recipe.merge:
+            base = resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth" if recipe.init == "pretrained" else None
+            if base is None:
+                fabric.print("merge: skipped, a random-init run has no base checkpoint on disk to merge into")
+            else:
+                merged = final / "merged"
+                write_checkpoint_files(recipe, config, merged)
+                merge_lora_checkpoint(base, final / name, config, merged / "lit_model.pth")
+    fabric.barrier()
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """LoRA: the adapter tensors only (a few MB instead of the whole model)."""
+    # keep_vars gives the Parameter objects themselves, so wrappers that rename (Fabric, checkpointing) don't matter
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if getattr(v, "requires_grad", False)}
+
+
+def write_checkpoint_files(recipe: Recipe, config, target: Path) -> None:
+    """model_config.yaml, tokenizer files, and litgpt's hyperparameters.yaml (so `litgpt merge_lora` and
+    `litgpt chat` accept the folder too)."""
+    import shutil
+
+    from litgpt.config import Config
+
+    target.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in dataclasses.asdict(config).items() if not k.startswith("lora_")}
+    (target / "model_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(Config(**base))))
+    source = resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"):
+        if source is not None and (source / name).is_file():
+            shutil.copy(source / name, target / name)
+    hparams = {
+        "checkpoint_dir": str(resolve_path(recipe.model.checkpoint_dir)) if recipe.model.checkpoint_dir else None,
+        "precision": recipe.precision,
+        "quantize": f"bnb.{recipe.quantize}" if recipe.quantize else None,
+        "prompt_style": recipe.data.prompt_style,
+    }
+    if recipe.method in ("lora", "qlora"):
+        hparams.update(lora_kwargs(recipe))
+    (target / "hyperparameters.yaml").write_text(yaml.safe_dump(hparams))
+    (target / "prompt_style.yaml").write_text(yaml.safe_dump({"class_path": _prompt_style_class(recipe)}))
+
+
+def _prompt_style_class(recipe: Recipe) -> str:
+    from litgpt.prompts import PromptStyle
+
+    cls = type(PromptStyle.from_name(recipe.data.prompt_style))
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def merge_lora_checkpoint(base_checkpoint: Path, adapter_path: Path, config, out_path: Path) -> None:
+    """Write base + (alpha/r) B A into plain weights: a checkpoint any LitGPT tool loads without LoRA code.
+
+    Runs on the CPU in the base weights' dtype, one model in memory (memory-mapped base)."""
+    from litgpt.lora import GPT, lora_filter, merge_lora_weights
+
+    with torch.device("meta"):
+        model = GPT(config)
+    state = torch.load(base_checkpoint, mmap=True, weights_only=True, map_location="cpu")
+    adapter = torch.load(adapter_path, mmap=True, weights_only=True, map_location="cpu")
+    state = dict(state.get("model", state))
+    state.update(adapter)
+    model.load_state_dict(state, strict=False, assign=True)
+    dtype = next(iter(state.values())).dtype
+    for module in model.modules():  # the adapters compute in the base dtype, as they are added to it
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dtype != dtype:
+                setattr(module, name, torch.nn.Parameter(p.to(dtype), requires_grad=False))
+    merge_lora_weights(model)
+    merged = {k.replace("linear.", ""): v for k, v in model.state_dict().items() if not lora_filter(k, v)}
+    merged = {k: v for k, v in merged.items() if k not in ("cos", "sin")}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    torch_save_atomic(merged, out_path)
+

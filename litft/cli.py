@@ -104,7 +104,7 @@ def cmd_finetune(args: list[str]) -> int:
         print(recipe_to_yaml(load_recipe(config, args=args, validate_paths=False)), end="")
         return 0
     recipe = load_recipe(config, args=args)
-    from litft.finetune import finetune
+    from litft.train import finetune
 
     # Fabric starts the other ranks by running this process's command line again: right when that command is
     # `litft ...`, wrong when cmd_finetune is called inside another program (a test runner, a notebook), whose

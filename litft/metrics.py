@@ -59,15 +59,6 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def compute_dtype(precision: str) -> str:
-    """The dtype the matmuls run in under a Fabric precision string."""
-    if precision.startswith("bf16"):
-        return "bf16"
-    if precision.startswith("16"):
-        return "fp16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-
-
 def peak_flops(device_name: str, dtype: str) -> float | None:
     """Peak dense FLOP/s of one device, or None when the device is not in the table (MFU is then not reported)."""
     name = device_name.lower()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from litft.errors import ConfigError
+from litft.precision import Precision
 from litft.recipe import Recipe
 
 # Set by the `litft` command line: child processes of a multi-device run can then be started by re-running the same
@@ -18,10 +19,6 @@ def resolve_accelerator(recipe: Recipe) -> str:
     if recipe.accelerator == "cuda" and not torch.cuda.is_available():
         raise ConfigError("accelerator: cuda was asked for, but torch sees no CUDA GPU (set accelerator: cpu or auto)")
     return recipe.accelerator
-
-
-def _precision_dtype(precision: str) -> torch.dtype:
-    return {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}[precision]
 
 
 def build_fabric(recipe: Recipe, loggers=None):
@@ -42,7 +39,7 @@ def build_fabric(recipe: Recipe, loggers=None):
     if recipe.method == "qlora":
         from lightning.fabric.plugins import BitsandbytesPrecision
 
-        plugins = BitsandbytesPrecision(mode=recipe.quantize, dtype=_precision_dtype(recipe.precision))
+        plugins = BitsandbytesPrecision(mode=recipe.quantize, dtype=Precision(recipe.precision).compute_dtype)
         precision = None
 
     if recipe.devices == 1:

@@ -8,9 +8,14 @@ import torch
 
 import litft
 from litft.data import IGNORE_INDEX, collate, collate_packed
-from litft.model import (
-    CausalLM, chunked_lm_loss, lora_linear_forward, lora_qkv_forward, model_config, use_fast_layers,
-)
+from litft.layers import use_fast_layers
+from litft.layers.lora import lora_linear_forward, lora_qkv_forward
+from litft.layers.loss import chunked_lm_loss
+from litft.model import CausalLM, model_config
+from litft.plan import LayerPlan
+
+# the Triton LoRA paths as a CUDA run's plan installs them (the interpreter runs the kernels on the CPU)
+FUSED = LayerPlan(grad_into_weights=True, triton_kernels=True, fused_lora=True)
 
 
 def _samples(lengths, vocab=300, seed=0):
@@ -204,7 +209,7 @@ class _FixedMask(torch.nn.Module):
 @pytest.mark.parametrize("b_side", ["matmuls", "triton"])
 @pytest.mark.parametrize("layer_kind", ["linear", "linear-nf4", "qkv-q-k-v", "qkv-k"])
 def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, layer_kind, b_side, monkeypatch):
-    """model.FusedLoRA (the dropout inside kernels.lora_down, the input gradient written once) gives LitGPT's
+    """layers.lora_fused.FusedLoRA (the dropout inside kernels.lora_down, the input gradient written once) gives LitGPT's
     LoRALinear / LoRAQKVLinear output and gradients (x, A, B) when LitGPT's dropout applies the mask the kernels draw
     from the same seed; also over a 4-bit base (bitsandbytes' nf4 layer on the CPU, its input gradient through the
     dequantized weight as bitsandbytes' own backward computes it). B's side by the matmuls, or by its Triton kernels
@@ -212,11 +217,14 @@ def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, 
     with only k adapted, whose one part starts past q's columns). fp32, Triton's interpreter on the CPU."""
     from litgpt.lora import LoRALinear
 
-    from litft import kernels, model
-    from litft.model import FusedLoRA, lora_parts
+    from litft import kernels
+    from litft.kernels import lora_mask
+    from litft.layers import lora_math
+    from litft.layers.lora_fused import FusedLoRA
+    from litft.layers.lora_math import lora_parts
 
     if b_side == "triton":
-        monkeypatch.setattr(model, "_triton_b_side", lambda t, parts: True)
+        monkeypatch.setattr(lora_math, "triton_b_side", lambda t, parts: True)
 
     p = 0.3
     torch.manual_seed(0)
@@ -252,7 +260,7 @@ def test_fused_lora_is_litgpts_layer_with_the_kernels_dropout_mask(tiny_recipe, 
     other_salt, _ = kernels.lora_down_backward(*ones, p, seed, None, salt=salt + 1)
     assert not torch.equal(other_salt != 0, mask)  # another layer of the same pass: another mask
     assert 0 < mask.float().mean() < 1
-    layer.lora_dropout = _FixedMask(mask, 1 - 1 / kernels._lora_p16(p)[1])  # the kernels' scale of kept elements
+    layer.lora_dropout = _FixedMask(mask, 1 - 1 / lora_mask._lora_p16(p)[1])  # the kernels' scale of kept elements
     reference = layer(x).reshape(14, -1)
     expected = (reference.detach(), *torch.autograd.grad((reference * weights).square().sum(),
                                                          (x, layer.lora_A, layer.lora_B)))
@@ -265,28 +273,29 @@ def test_dropout_0_adapters_take_the_fused_path_and_the_ledger_counts_it(tiny_re
     runs as FusedLoRA (no mask drawn) rather than LowRankUpdate: the same output and gradients as LitGPT's layer. A
     dropout above 0 stays LitGPT's nn.Dropout. The ledger traces that dispatch: the same activation bytes as at
     dropout 0.05 (FusedLoRA keeps the same tensors whatever p), where the unfused path kept more."""
-    from litft import model
+    from litft import kernels
+    from litft.layers import lora_fused
     from litft.memory import activation_bytes_per_token_layer
+    from litft.plan import plan_for_estimate
 
     reference = _lora_gpt(tiny_recipe, ["q", "v", "mlp"], dropout=0.0)
     attn = reference.transformer.h[0].attn.qkv
     assert not isinstance(attn.lora_dropout, torch.nn.Module)  # LitGPT's lambda
     torch.nn.init.normal_(attn.lora_B, std=0.1)
     fast = copy.deepcopy(reference)
-    use_fast_layers(fast, grad_into_weights=True, triton_kernels=True)
+    use_fast_layers(fast, FUSED)
     fast_attn = fast.transformer.h[0].attn.qkv
     assert isinstance(fast_attn.lora_dropout, torch.nn.Identity)
     assert not any(isinstance(m.lora_dropout, torch.nn.Dropout) for m in fast.modules() if hasattr(m, "lora_dropout"))
-    monkeypatch.setattr(model.kernels, "available", lambda x: True)
+    monkeypatch.setattr(kernels, "available", lambda x: True)
     calls = []
-    real_apply = model.FusedLoRA.apply
-    monkeypatch.setattr(model.FusedLoRA, "apply", lambda *args: calls.append(args) or real_apply(*args))
-    assert model._fused_lora_applies(fast_attn, torch.zeros(3, 2, dtype=torch.bfloat16))
+    real_apply = lora_fused.FusedLoRA.apply
+    monkeypatch.setattr(lora_fused.FusedLoRA, "apply", lambda *args: calls.append(args) or real_apply(*args))
+    assert lora_fused.fused_lora_applies(fast_attn, torch.zeros(3, 2, dtype=torch.bfloat16))
     x = torch.randn(2, 7, attn.linear.in_features, requires_grad=True)
     x_fast = x.detach().clone().requires_grad_(True)
     weights = torch.linspace(-1, 1, attn.linear.out_features)
-    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
-    out = fast_attn(x_fast)
+    out = fast_attn(x_fast)  # fp32 rows: the plan decides, the layer does not check the dtype
     assert len(calls) == 1 and calls[0][5] == 0.0  # FusedLoRA, dropout probability 0
     (out * weights).square().sum().backward()
     wanted = attn(x)
@@ -301,19 +310,21 @@ def test_dropout_0_adapters_take_the_fused_path_and_the_ledger_counts_it(tiny_re
 
     def ledger(dropout):
         recipe = tiny_recipe(method="lora", precision="bf16-true", lora={"dropout": dropout})
-        return activation_bytes_per_token_layer(recipe, model.model_config(recipe), compiled=False)
+        config = model_config(recipe)
+        return activation_bytes_per_token_layer(recipe, config, plan_for_estimate(recipe, config, compiled=False))
 
     assert ledger(0.0) == ledger(0.05)
 
 
 @pytest.mark.parametrize("base", ["linear", "nf4"])
 def test_fused_lora_pair_is_two_fused_lora_layers_and_their_input_gradients_summed(base):
-    """model.FusedLoRAPair (fc_1 and fc_2 over one input, their A sides in one kernel each way) gives what two
+    """layers.lora_fused.FusedLoRAPair (fc_1 and fc_2 over one input, their A sides in one kernel each way) gives what two
     FusedLoRA layers with the same seed and salts give: each output, each adapter's gradients, and x's gradient as
     autograd's sum of the two; over a 4-bit base too (bitsandbytes' nf4 layer on the CPU). fp32, interpreter."""
     from litgpt.lora import LoRALinear
 
-    from litft.model import FusedLoRA, FusedLoRAPair, lora_parts
+    from litft.layers.lora_fused import FusedLoRA, FusedLoRAPair
+    from litft.layers.lora_math import lora_parts
 
     p = 0.3
     torch.manual_seed(0)
@@ -357,19 +368,18 @@ def test_mlp_forward_runs_fc_1_and_fc_2_as_one_fused_lora_pair(tiny_recipe, monk
     """mlp_forward runs a LoRA fc_1 and fc_2 that would each run as FusedLoRA as one FusedLoRAPair, with the
     forward pass's shared seed and each layer's own salt: the same output and gradients as the two layers run
     apart. The CPU stands in for CUDA: kernels.available says yes (the interpreter runs the kernels) and FusedLoRA
-    is taken to apply in fp32. (With proj adapted too the whole MLP runs as FusedLoRAMLP, the next test; here it is
-    taken not to apply.)"""
-    from litft import kernels, model
+    runs where the plan says, in fp32 too. (With proj adapted too the whole MLP runs as FusedLoRAMLP where the plan
+    says so, the next test; this plan does not.)"""
+    from litft import kernels
+    from litft.layers import lora_fused
 
     gpt = _lora_gpt(tiny_recipe, ["mlp"], dropout=0.25)
-    use_fast_layers(gpt, grad_into_weights=True, triton_kernels=True)
+    use_fast_layers(gpt, FUSED)  # fused_lora_mlp off
     mlp = gpt.transformer.h[0].mlp
     monkeypatch.setattr(kernels, "available", lambda x: True)
-    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
-    monkeypatch.setattr(model, "_fused_lora_mlp_applies", lambda mlp, rows: False)
     pairs = []
-    real_apply = model.FusedLoRAPair.apply
-    monkeypatch.setattr(model.FusedLoRAPair, "apply", lambda *args: pairs.append(args) or real_apply(*args))
+    real_apply = lora_fused.FusedLoRAPair.apply
+    monkeypatch.setattr(lora_fused.FusedLoRAPair, "apply", lambda *args: pairs.append(args) or real_apply(*args))
     gpt.lora_seeds.tensor = torch.tensor([2**35 + 17])
     x = torch.randn(1, 10, mlp.fc_1.linear.in_features, requires_grad=True)
 
@@ -382,7 +392,7 @@ def test_mlp_forward_runs_fc_1_and_fc_2_as_one_fused_lora_pair(tiny_recipe, monk
 
     paired = run()
     assert len(pairs) == 1 and pairs[0][-2:] == (mlp.fc_1.lora_salt, mlp.fc_2.lora_salt)
-    monkeypatch.setattr(model, "_fused_lora_pair_applies", lambda first, second, rows: False)
+    monkeypatch.setattr(lora_fused, "fused_lora_pair_applies", lambda first, second, rows: False)
     alone = run()
     assert len(pairs) == 1
     for got, wanted in zip(paired, alone, strict=True):
@@ -395,31 +405,34 @@ def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypa
     adapters inside the SwiGLU kernels), each layer's mask from the forward pass's shared seed and its own salt: the
     output, x's gradient and all six adapter gradients of FusedLoRAPair + SwiGLU + FusedLoRA (the path it replaces),
     over two micro-batches (gradients added into .grad). It keeps what that path keeps. Without a shared seed (a
-    layer called outside CausalLM's forward), or wider than FUSED_LORA_MLP_MAX_INTERMEDIATE, the MLP runs that path.
-    ``stacked``: fc_1's and fc_2's weights one tensor (model.stack_fc_weights), FusedLoRAMLP's one matmul for both
+    layer called outside CausalLM's forward), or where the plan does not fuse it (wider than
+    FUSED_LORA_MLP_MAX_INTERMEDIATE), the MLP runs that path. ``stacked``: fc_1's and fc_2's weights one tensor
+    (lora_fused.stack_fc_weights), FusedLoRAMLP's one matmul for both
     each way; the state_dict unchanged. fp32, Triton's interpreter standing in for CUDA as in the test above."""
-    from litft import kernels, model
+    import dataclasses
+
+    from litft import kernels
+    from litft.layers import lora_fused
 
     gpt = _lora_gpt(tiny_recipe, ["mlp"], dropout=0.25)
-    use_fast_layers(gpt, grad_into_weights=True, triton_kernels=True)
+    use_fast_layers(gpt, dataclasses.replace(FUSED, fused_lora_mlp=True))
     mlp = gpt.transformer.h[0].mlp
     if stacked:
         before = {name: t.clone() for name, t in gpt.state_dict().items()}
-        assert model.stacked_fc_weight(mlp) is None
-        assert model.stack_fc_weights(gpt) == len(gpt.transformer.h)
+        assert lora_fused.stacked_fc_weight(mlp) is None
+        assert lora_fused.stack_fc_weights(gpt) == len(gpt.transformer.h)
         after = gpt.state_dict()
         assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
-        both = model.stacked_fc_weight(mlp)
+        both = lora_fused.stacked_fc_weight(mlp)
         assert torch.equal(both, torch.cat([mlp.fc_1.linear.weight, mlp.fc_2.linear.weight]))
         assert both.data_ptr() == mlp.fc_1.linear.weight.data_ptr()
         found = []
-        real_stacked = model.stacked_fc_weight
-        monkeypatch.setattr(model, "stacked_fc_weight", lambda mlp: found.append(real_stacked(mlp)) or found[-1])
+        real_stacked = lora_fused.stacked_fc_weight
+        monkeypatch.setattr(lora_fused, "stacked_fc_weight", lambda mlp: found.append(real_stacked(mlp)) or found[-1])
     monkeypatch.setattr(kernels, "available", lambda x: True)
-    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
     calls = []
-    real_apply = model.FusedLoRAMLP.apply
-    monkeypatch.setattr(model.FusedLoRAMLP, "apply", lambda *args: calls.append(args) or real_apply(*args))
+    real_apply = lora_fused.FusedLoRAMLP.apply
+    monkeypatch.setattr(lora_fused.FusedLoRAMLP, "apply", lambda *args: calls.append(args) or real_apply(*args))
     gpt.lora_seeds.tensor = torch.tensor([2**37 + 5])
     torch.manual_seed(1)
     xs = [torch.randn(1, 10, mlp.fc_1.linear.in_features, requires_grad=True) for _ in range(2)]
@@ -444,21 +457,28 @@ def test_mlp_forward_runs_a_lora_mlp_as_one_fused_lora_mlp(tiny_recipe, monkeypa
     assert len(calls) == 2 and calls[0][-1] == (mlp.fc_1.lora_salt, mlp.fc_2.lora_salt, mlp.proj.lora_salt)
     if stacked:  # forward and backward of both micro-batches took the one matmul
         assert len(found) == 4 and all(t is not None for t in found)
-    monkeypatch.setattr(model, "_fused_lora_mlp_applies", lambda mlp, rows: False)
+    monkeypatch.setattr(lora_fused, "fused_lora_mlp_applies", lambda mlp, rows: False)
     apart, apart_saved = run()
     assert len(calls) == 2 and fused_saved == apart_saved
     for got, wanted in zip(fused, apart, strict=True):
         torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "available", lambda x: True)
-    monkeypatch.setattr(model, "_fused_lora_applies", lambda self, rows: True)
     gpt.lora_seeds.tensor = None
-    assert not model._fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
-    # nor for an MLP wider than it was measured faster at
+    assert not lora_fused.fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
     gpt.lora_seeds.tensor = torch.tensor([3])
-    assert model._fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
-    monkeypatch.setattr(model, "FUSED_LORA_MLP_MAX_INTERMEDIATE", mlp.fc_1.lora_B.shape[0] - 1)
-    assert not model._fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
+    assert lora_fused.fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
+    mlp.fused_lora_mlp = False  # where the plan does not fuse the MLP
+    assert not lora_fused.fused_lora_mlp_applies(mlp, xs[0].reshape(10, -1))
+    # the plan fuses an MLP only as wide as it was measured faster at
+    from litft.plan import FUSED_LORA_MLP_MAX_INTERMEDIATE, resolve
+
+    recipe = tiny_recipe(method="lora", precision="bf16-true", lora={"targets": ["mlp"]})
+    config = model_config(recipe)
+    assert resolve(recipe, config, "cuda", 1, triton_available=True).layers.fused_lora_mlp
+    wide = copy.copy(config)
+    wide.intermediate_size = FUSED_LORA_MLP_MAX_INTERMEDIATE + 1
+    assert not resolve(recipe, wide, "cuda", 1, triton_available=True).layers.fused_lora_mlp
 
 
 def test_fused_lora_after_swiglu_keeps_its_inputs_not_the_product():
@@ -467,7 +487,9 @@ def test_fused_lora_after_swiglu_keeps_its_inputs_not_the_product():
     output and gradients (x's path through SwiGLU included) as keeping the product. fp32, Triton's interpreter."""
     from litgpt.lora import LoRALinear
 
-    from litft.model import FusedLoRA, SwiGLU, lora_parts
+    from litft.layers.lora_fused import FusedLoRA
+    from litft.layers.lora_math import lora_parts
+    from litft.layers.mlp import SwiGLU
 
     p = 0.3
     torch.manual_seed(0)
@@ -518,7 +540,7 @@ def test_matmul_lora_layers_keep_autocasts_dtype():
 
 def test_fast_lora_switch_keeps_litgpts_layers(tiny_recipe):
     gpt = _lora_gpt(tiny_recipe, ["q", "v", "mlp"])
-    use_fast_layers(gpt, lora=False)
+    use_fast_layers(gpt, LayerPlan(fast_lora=False))
     assert "forward" not in vars(gpt.transformer.h[0].attn.qkv) and "forward" not in vars(gpt.transformer.h[0].mlp.fc_1)
     use_fast_layers(gpt)
     assert vars(gpt.transformer.h[0].attn.qkv)["forward"].__func__ is lora_qkv_forward
@@ -593,7 +615,7 @@ def test_fused_rms_norm_equals_litgpts(dtype):
     applied before the cast back), in fp32 and bf16."""
     from litgpt.model import RMSNorm
 
-    from litft.model import rms_norm_forward
+    from litft.layers.norm import rms_norm_forward
 
     torch.manual_seed(0)
     norm = RMSNorm(48, eps=1e-5).to(dtype)
@@ -615,20 +637,22 @@ def test_ledger_counts_what_the_fused_norm_keeps(tiny_recipe):
     fp32 scale, where LitGPT's norm keeps fp32 copies of the input and of the normalised input (8 bytes per element)
     and the same scale: 6 x n_embd bytes less per norm, two norms per block."""
     from litft.memory import activation_bytes_per_token_layer
-    from litft.model import model_config
+    from litft.plan import plan_for_estimate
+
+    def saved_bytes(recipe, config):
+        return activation_bytes_per_token_layer(recipe, config, plan_for_estimate(recipe, config, compiled=False))
 
     fused = tiny_recipe(method="full", precision="bf16-true", train={"fused_rms_norm": True})
     litgpt = tiny_recipe(method="full", precision="bf16-true", train={"fused_rms_norm": False})
     config = model_config(fused)
-    saved_fused = activation_bytes_per_token_layer(fused, config, compiled=False)
-    saved_litgpt = activation_bytes_per_token_layer(litgpt, config, compiled=False)
+    saved_fused, saved_litgpt = saved_bytes(fused, config), saved_bytes(litgpt, config)
     assert saved_litgpt - saved_fused == 2 * 6 * config.n_embd
 
 
 def test_4bit_compute_dtype_is_settled_after_fabrics_conversion(tiny_recipe):
     """QLoRA compiled: Fabric's BitsandbytesPrecision.convert_module (run by fabric.setup_module) sets each 4-bit
     layer's compute dtype and clears compute_type_is_set, a flag the compiled block's guards read; its flip on the
-    first forward recompiled every block on the H100 (benchmarks/results/compile-tiny, qlora-compiled). Settled after
+    first forward recompiled every block (seen on an H100). Settled after
     the conversion, the flag stays set; settled before it, the conversion clears it again."""
     pytest.importorskip("bitsandbytes")
     from lightning.fabric.plugins.precision.bitsandbytes import BitsandbytesPrecision
@@ -655,14 +679,16 @@ def test_ledger_traces_mixed_precision_with_an_fp32_residual_stream(tiny_recipe)
     (bf16-true saves one tensor for both): 2 x 2 x n_embd + 2 x n_embd bytes more per token and block. The trace
     used to feed a bf16 input, which undercounted this (and kept rms_norm off its fused path)."""
     from litft.memory import activation_bytes_per_token_layer
-    from litft.model import model_config
+    from litft.plan import plan_for_estimate
+
+    def saved_bytes(recipe, config):
+        return activation_bytes_per_token_layer(recipe, config, plan_for_estimate(recipe, config, compiled=False))
 
     mixed = tiny_recipe(method="full", precision="bf16-mixed")
     true = tiny_recipe(method="full", precision="bf16-true")
     config = model_config(mixed)
     assert config.mlp_class_name == "LLaMAMLP"
-    extra = activation_bytes_per_token_layer(mixed, config, compiled=False) - activation_bytes_per_token_layer(
-        true, config, compiled=False)
+    extra = saved_bytes(mixed, config) - saved_bytes(true, config)
     assert extra == 2 * 2 * config.n_embd + 2 * config.n_embd
 
 
@@ -753,21 +779,22 @@ def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compi
     CPU with reference kernels: the same loss and gradients as the masked branch, eager and compiled, and one
     compiled graph of the block for rows of every length (aot_eager: dynamo's graphs and guards, no kernels). Without
     a varlen_attn that takes grouped heads (torch 2.11), eager blocks call the flash ops with grouped k/v heads
-    (model.GroupedFlashAttention) and compiled ones repeat k and v for varlen_attn."""
+    (layers.attention.GroupedFlashAttention) and compiled ones repeat k and v for varlen_attn."""
     from torch._dynamo.utils import counters
 
-    import litft.model
-    from litft.model import _VARLEN_KWARGS, compile_blocks
+    from litft.layers import attention
+    from litft.layers.attention import _VARLEN_KWARGS
+    from litft.model import compile_blocks
 
     if _VARLEN_KWARGS is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     _register_reference_varlen_kernels()
     _REFERENCE_VARLEN_CALLS.update(forward=0, backward=0, aten=0, kv_heads=set())
-    monkeypatch.setattr(litft.model, "_VARLEN_GQA", varlen_gqa)
+    monkeypatch.setattr(attention, "_VARLEN_GQA", varlen_gqa)
     gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
-    use_fast_layers(gpt, attention=fast_attention)
+    use_fast_layers(gpt, LayerPlan(fast_attention=fast_attention))
     masked = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
-    monkeypatch.setattr(litft.model, "VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention, "VARLEN_DEVICES", ("cuda", "cpu"))
     eager = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
     torch._dynamo.reset()
     counters.clear()
@@ -775,9 +802,9 @@ def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compi
     compiled = CausalLM(gpt, loss_chunk=0, max_seq_length=64, compiled=True)
     for lengths in ([37, 12, 50, 5], [40, 30, 26], [20, 12]):
         batch = collate_packed(_samples(lengths), pad_id=0, multiple=64, segments=5)
-        monkeypatch.setattr(litft.model, "VARLEN_DEVICES", ("cuda",))
+        monkeypatch.setattr(attention, "VARLEN_DEVICES", ("cuda",))
         loss_masked, grads_masked = _loss_and_grads(masked, batch)
-        monkeypatch.setattr(litft.model, "VARLEN_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(attention, "VARLEN_DEVICES", ("cuda", "cpu"))
         for model in (eager, compiled):
             loss, grads = _loss_and_grads(model, batch)
             torch.testing.assert_close(loss, loss_masked, rtol=1e-5, atol=1e-5)
@@ -804,7 +831,7 @@ def test_packed_attentions_varlen_branch_gives_the_masked_branchs_loss_and_compi
 def test_rotary_embedding_function_is_litgpts_apply_rope_with_its_gradient():
     from litgpt.model import apply_rope, build_rope_cache
 
-    from litft.model import RotaryEmbedding
+    from litft.layers.attention import RotaryEmbedding
 
     cos, sin = build_rope_cache(12, 8, device=torch.device("cpu"))
     cos, sin = cos.double()[None, :, None], sin.double()[None, :, None]  # (1, T, 1, D): over every head
@@ -815,11 +842,11 @@ def test_rotary_embedding_function_is_litgpts_apply_rope_with_its_gradient():
 
 
 def test_rope_qkv_torch_path_splits_and_ropes_as_litgpt_with_its_gradient():
-    """model.RopeQKV off CUDA (the torch ops the memory ledger's trace runs): q and k as apply_rope gives them, v as
+    """layers.attention.RopeQKV off CUDA (the torch ops the memory ledger's trace runs): q and k as apply_rope gives them, v as
     it is and its own tensor (not a view keeping the qkv output), per-row tables (packed rows); gradcheck in fp64."""
     from litgpt.model import apply_rope, build_rope_cache
 
-    from litft.model import RopeQKV
+    from litft.layers.attention import RopeQKV
 
     heads, groups, head_size, t = 4, 2, 8, 12
     cos, sin = build_rope_cache(t, head_size, device=torch.device("cpu"))
@@ -841,7 +868,7 @@ def test_fast_attention_gives_litgpts_loss_and_gradients_packed_and_padded(tiny_
     tiny model's grouped-query attention (4 heads, 2 groups), for padded rows (SDPA, causal) and a packed row."""
     from litgpt.model import GPT
 
-    from litft.model import attention_forward
+    from litft.layers.attention import attention_forward
 
     if method == "lora":
         gpt = _lora_gpt(tiny_recipe, ["q", "k", "v", "o", "mlp"])
@@ -850,7 +877,7 @@ def test_fast_attention_gives_litgpts_loss_and_gradients_packed_and_padded(tiny_
         gpt = GPT(model_config(tiny_recipe(method="full")))
     assert gpt.config.n_query_groups < gpt.config.n_head
     litgpt_attention = copy.deepcopy(gpt)
-    use_fast_layers(litgpt_attention, attention=False)
+    use_fast_layers(litgpt_attention, LayerPlan(fast_attention=False))
     use_fast_layers(gpt)
     assert vars(gpt.transformer.h[0].attn)["forward"].__func__ is attention_forward
     assert "forward" not in vars(litgpt_attention.transformer.h[0].attn)
@@ -875,7 +902,7 @@ def test_fast_attention_gives_litgpts_loss_and_gradients_packed_and_padded(tiny_
 def test_swiglu_function_is_litgpts_mlp_with_its_gradient_and_keeps_one_tensor_less(tiny_recipe):
     from litgpt.model import GPT
 
-    from litft.model import SwiGLU, mlp_forward
+    from litft.layers.mlp import SwiGLU, mlp_forward
 
     a, b = (torch.randn(3, 7, dtype=torch.float64, requires_grad=True) for _ in range(2))
     torch.testing.assert_close(SwiGLU.apply(a, b), torch.nn.functional.silu(a) * b)
@@ -904,7 +931,7 @@ def test_swiglu_function_is_litgpts_mlp_with_its_gradient_and_keeps_one_tensor_l
 def test_mixed_precision_linear_is_autocasts_linear_and_keeps_no_16bit_weight():
     """train.lean_mixed_linear: under autocast, the same output and gradients as autocast's F.linear (bitwise: the
     same casts and matmuls), while the tensors kept for the backward pass hold the fp32 weight, not a bf16 copy."""
-    from litft.model import mixed_linear_forward
+    from litft.layers.linear import mixed_linear_forward
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(24, 40, bias=True)
@@ -970,11 +997,12 @@ def test_lean_mixed_linear_compiles_to_one_graph_under_autocast(tiny_recipe):
     from litgpt.model import GPT
     from torch._dynamo.utils import counters
 
-    from litft.model import compile_blocks, mixed_linear_forward
+    from litft.layers.linear import mixed_linear_forward
+    from litft.model import compile_blocks
 
     torch.manual_seed(0)
     gpt = GPT(model_config(tiny_recipe(method="full")))
-    use_fast_layers(gpt, mixed_linear=True)
+    use_fast_layers(gpt, LayerPlan(lean_mixed_linear=True))
     assert vars(gpt.lm_head)["forward"].__func__ is mixed_linear_forward
     eager = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=96)
     torch._dynamo.reset()
@@ -1018,7 +1046,7 @@ def test_inductor_compiles_blocks_without_mix_order_reduction(tiny_recipe, monke
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("grads_allocated", [False, True])  # None before the first pass, or kept and zeroed (graphs)
 def test_linear_grad_into_weight_adds_the_same_gradients_as_autograd(bias, grads_allocated):
-    from litft.model import grad_into_weight_forward
+    from litft.layers.linear import grad_into_weight_forward
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(24, 40, bias=bias)
@@ -1050,7 +1078,13 @@ def test_grad_into_weights_trains_alike_and_only_where_it_applies(tiny_recipe, t
 
     losses = [[json.loads(l)["loss"] for l in (r.out_dir / "metrics.jsonl").read_text().splitlines()] for r in (on, off)]
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)
-    # where autograd's accumulation stays: -mixed precision, more than one device
-    assert not tiny_recipe(method=method, precision="bf16-mixed").adds_grads_in_matmul
-    assert not tiny_recipe(method=method, devices=2).adds_grads_in_matmul
-    assert tiny_recipe(method=method).adds_grads_in_matmul
+    # where autograd's accumulation stays: -mixed precision, more than one device, compiled blocks
+    from litft.plan import resolve
+
+    def plan(recipe, devices=1):
+        return resolve(recipe, model_config(recipe), "cpu", devices).layers.grad_into_weights
+
+    assert not plan(tiny_recipe(method=method, precision="bf16-mixed"))
+    assert not plan(tiny_recipe(method=method, devices=2), devices=2)
+    assert not plan(tiny_recipe(method=method, train={"compile": "always"}))
+    assert plan(tiny_recipe(method=method))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import litft
-from litft.model import merge_lora_checkpoint, model_config
+from litft.checkpoint import merge_lora_checkpoint
+from litft.model import model_config
 
 
 def _read_rows(path):
@@ -67,7 +68,7 @@ def test_run_end_to_end_writes_every_output(tiny_recipe, method, optimizer):
 def test_a_second_run_into_the_same_out_dir_is_refused_without_overwrite(tiny_recipe):
     recipe = tiny_recipe(method="full", train={"max_steps": 1}, eval={"initial": False})
     litft.finetune(recipe)
-    with pytest.raises(litft.recipe.ConfigError, match="already holds a run"):
+    with pytest.raises(litft.errors.ConfigError, match="already holds a run"):
         litft.finetune(recipe)
     assert litft.finetune(recipe, overwrite=True).status == "ok"
 
@@ -158,51 +159,47 @@ def test_activation_checkpointing_changes_memory_not_the_result(tiny_recipe, tmp
     assert all(isinstance(block, CheckpointWrapper) for block in checkpointed.model.transformer.h)
 
 
-def test_compile_auto_compiles_only_runs_long_enough_to_win_back_the_compile_time(tiny_recipe, monkeypatch):
+def test_compile_auto_compiles_only_runs_long_enough_to_win_back_the_compile_time(tiny_recipe):
     from types import SimpleNamespace
 
     from litgpt.config import Config
 
-    from litft.finetune import COMPILE_PAYS_OFF_S, estimated_parameters, use_compile
+    from litft.plan import COMPILE_PAYS_OFF_S, resolve, weights_per_token
 
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    gpu = SimpleNamespace(device=torch.device("cuda", 0), world_size=1)
     config = Config.from_name("tiny-llama-1.1b")
     stats = SimpleNamespace(samples=1000, mean_length=250.0)
 
-    def decide(fabric=gpu, graphed=True, **train):
+    def decide(device="cuda", triton=True, **train):
         recipe = tiny_recipe(method="lora", precision="bf16-true",
                              train={"max_steps": None, "triton_kernels": False, **train})
-        return use_compile(recipe, fabric, config, stats, graphed)
+        plan = resolve(recipe, config, device, 1, device_name="NVIDIA H100 80GB HBM3", data_stats=stats,
+                       triton_available=triton)
+        return plan.compile, plan.compile_why
 
     # with litft's Triton kernels, eager blocks beat compiled ones (measured): 'auto' stays eager however long the run
-    from litft import kernels
-
-    if kernels.triton is not None:
-        compiled, why = decide(epochs=1000, triton_kernels=True)
-        assert not compiled and "Triton kernels" in why
-    with monkeypatch.context() as patch:  # an install without Triton: the break-evens below, as with false
-        patch.setattr(kernels, "triton", None)
-        assert decide(epochs=1000, triton_kernels=True)[0]
+    compiled, why = decide(epochs=1000, triton_kernels=True)
+    assert not compiled and "Triton kernels" in why
+    # an install without Triton: the break-evens below, as with false
+    assert decide(epochs=1000, triton_kernels=True, triton=False)[0]
 
     # one epoch of 1,000 samples, global batch 8: 125 steps x 8 x 250 tokens x 4 x 1.03e9 FLOPs / 989e12 ~ 1 s
     compiled, why = decide(epochs=1)
     assert not compiled and "1 s of work" in why and why.endswith("for lora")
-    n = estimated_parameters(config)
+    n = weights_per_token(config)
     epochs_needed = int(COMPILE_PAYS_OFF_S["lora"] * 989e12 / (125 * 8 * 250 * 4 * n)) + 1
     assert decide(epochs=epochs_needed)[0] and not decide(epochs=epochs_needed - 2)[0]
     # a full fine-tune's block compiles ~9x faster than LoRA's (measured): its threshold is lower, in its own units
     # (6 FLOPs per trainable weight); global batch 8 as above
-    full = tiny_recipe(method="full", precision="bf16-true",
-                       train={"max_steps": None, "epochs": 1, "triton_kernels": False})
     epochs_full = int(COMPILE_PAYS_OFF_S["full"] * 989e12 / (125 * 8 * 250 * 6 * n)) + 1
     for epochs, expected in ((epochs_full, True), (epochs_full - 2, False)):
-        full.train.epochs = epochs
-        compiled, why = use_compile(full, gpu, config, stats, True)
-        assert compiled is expected and why.endswith(f"above {COMPILE_PAYS_OFF_S['full']:.0f} s for full")
-    assert decide(graphed=False) == (True, "")  # without graphs compiling also cuts the host's launch overhead
-    assert decide(compile="always") == (True, "") and decide(compile="never", graphed=False) == (False, "")
-    assert decide(fabric=SimpleNamespace(device=torch.device("cpu"), world_size=1), graphed=False) == (False, "")
+        full = tiny_recipe(method="full", precision="bf16-true",
+                           train={"max_steps": None, "epochs": epochs, "triton_kernels": False})
+        plan = resolve(full, config, "cuda", 1, device_name="NVIDIA H100 80GB HBM3", data_stats=stats)
+        assert plan.compile is expected and plan.compile_why.endswith(f"above {COMPILE_PAYS_OFF_S['full']:.0f} s for full")
+    # without graphs compiling also cuts the host's launch overhead
+    assert decide(cuda_graphs="never") == (True, "")
+    assert decide(compile="always") == (True, "") and decide(compile="never", cuda_graphs="never") == (False, "")
+    assert decide(device="cpu") == (False, "")
 
 
 def test_memory_snapshot_is_cuda_only_and_the_cpu_run_says_so(tiny_recipe, capsys):
@@ -240,40 +237,47 @@ def test_pack_steps_runs_fewer_micro_batches_with_the_same_updates(tiny_recipe, 
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
 
 
+def _plan(recipe, device="cuda", triton=False):
+    from litft.plan import resolve
+
+    return resolve(recipe, model_config(recipe), device, 1, triton_available=triton)
+
+
 def test_torch_optimizers_are_fused_on_cuda_unless_the_recipe_chose(tiny_recipe):
     """A recipe loaded through jsonargparse carries the class's defaults, foreach=None and fused=None among them: those
     are no choice, and AdamW/SGD on CUDA get fused=True (a None there kept every run on torch's foreach default)."""
-    from litft.finetune import optimizer_kwargs
+    from litft.train.optim import optimizer_kwargs
 
     recipe = litft.load_recipe("tiny-llama-full", init="random", model={"tokenizer_dir": "litft:demo/model"})
     assert {"foreach", "fused"} <= recipe.optimizer.init_args.keys()  # what jsonargparse fills in
-    kwargs = optimizer_kwargs(recipe, torch.optim.AdamW, on_cuda=True)
+    kwargs = optimizer_kwargs(recipe, _plan(recipe))
     assert kwargs["fused"] is True and kwargs["betas"] == (0.9, 0.95)
-    assert optimizer_kwargs(recipe, torch.optim.AdamW, on_cuda=False)["fused"] is None  # the CPU: torch decides
+    assert optimizer_kwargs(recipe, _plan(recipe, "cpu"))["fused"] is None  # the CPU: torch decides
     chose = litft.load_recipe("tiny-llama-full", init="random", model={"tokenizer_dir": "litft:demo/model"},
                               optimizer={"init_args": {"foreach": True}})
     assert chose.optimizer.init_args["foreach"] is True
-    assert optimizer_kwargs(chose, torch.optim.AdamW, on_cuda=True).get("fused") is None
+    assert optimizer_kwargs(chose, _plan(chose)).get("fused") is None
     sgd = tiny_recipe(optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}})
-    assert optimizer_kwargs(sgd, torch.optim.SGD, on_cuda=True)["fused"] is True
-    import bitsandbytes as bnb
+    assert optimizer_kwargs(sgd, _plan(sgd))["fused"] is True
 
     eight_bit = tiny_recipe(optimizer={"class_path": "bitsandbytes.optim.AdamW8bit", "init_args": {"lr": 1e-4}})
-    assert "fused" not in optimizer_kwargs(eight_bit, bnb.optim.AdamW8bit, on_cuda=True)  # not torch's: left alone
+    assert "fused" not in optimizer_kwargs(eight_bit, _plan(eight_bit))  # not torch's: left alone
+    assert not _plan(eight_bit).fused_step and not _plan(eight_bit).step_scales
 
 
 def test_fused_adamw_becomes_the_triton_step_only_where_asked(tiny_recipe):
-    """build_optimizer swaps kernels.AdamW in for torch.optim.AdamW that would run fused, when main asks (Triton
-    kernels on CUDA, whole parameters, no fp16 scaler); not for another choice of implementation, amsgrad, or
-    another optimizer. (fused=True chosen here stands for the CUDA default: the CPU leaves it to torch.)"""
+    """The plan swaps kernels.AdamW in for torch.optim.AdamW that would run fused where Triton's kernels run on CUDA
+    (whole parameters, no fp16 scaler); not for another choice of implementation, amsgrad, or another optimizer.
+    (fused=True chosen here: the optimizer is built on the CPU, where torch leaves fused to the recipe.)"""
     from litft import kernels
-    from litft.finetune import build_optimizer, optimizer_summary
+    from litft.train.optim import build_optimizer, optimizer_summary
 
     model = torch.nn.Linear(4, 4)
 
-    def built(triton_adamw: bool, **init_args):
-        recipe = tiny_recipe(optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, **init_args}})
-        return build_optimizer(recipe, model, triton_adamw)
+    def built(triton: bool, precision="32-true", **init_args):
+        recipe = tiny_recipe(precision=precision,
+                             optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3, **init_args}})
+        return build_optimizer(recipe, model, _plan(recipe, triton=triton))
 
     triton_step = built(True, fused=True)
     assert type(triton_step) is kernels.AdamW and triton_step.defaults["fused"]
@@ -282,7 +286,11 @@ def test_fused_adamw_becomes_the_triton_step_only_where_asked(tiny_recipe):
     assert type(built(True, foreach=True)) is torch.optim.AdamW
     assert type(built(True, fused=True, amsgrad=True)) is torch.optim.AdamW
     sgd = tiny_recipe(optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1, "fused": True}})
-    assert type(build_optimizer(sgd, model, True)) is torch.optim.SGD
+    assert type(build_optimizer(sgd, model, _plan(sgd, triton=True))) is torch.optim.SGD
+    # an fp16 loss scaler owns the fused step's grad_scale: neither the Triton step nor clipping inside the step
+    scaled = tiny_recipe(precision="16-mixed", optimizer={"class_path": "torch.optim.AdamW",
+                                                          "init_args": {"lr": 1e-3, "fused": True}})
+    assert not _plan(scaled, triton=True).triton_adamw and not _plan(scaled, triton=True).step_scales
 
 
 def test_a_run_records_which_optimizer_implementation_it_used(tiny_recipe, capsys):
@@ -310,18 +318,17 @@ def clip_then_step(device: str, max_norm: float, clip_in_step: bool, dtype: torc
     """Three AdamW(fused) steps of a small model on ``device``, clipped by litft's clip_gradients or Fabric's."""
     import lightning as L
 
-    from litft.finetune import clip_gradients, scales_in_step
+    from litft.train.optim import clip_gradients
 
     torch.manual_seed(0)
     fabric = L.Fabric(accelerator=device, devices=1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(dtype)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
-    assert scales_in_step(fabric, optimizer.optimizer)
     norms = []
     for _ in range(3):
         model(torch.randn(8, 16, device=fabric.device, dtype=dtype)).float().square().sum().backward()
         if clip_in_step:
-            norms.append(clip_gradients(fabric, model, optimizer, max_norm))
+            norms.append(clip_gradients(fabric, model, optimizer, max_norm, in_step=True))
         else:
             norms.append(fabric.clip_gradients(model, optimizer, max_norm=max_norm))
         optimizer.step()
@@ -349,15 +356,13 @@ def test_clipping_inside_the_fused_step_equals_clip_grad_norm_then_step(max_norm
     assert_clipping_in_step_matches("cpu", max_norm, dtype)
 
 
-def test_clipping_stays_with_fabric_for_optimizers_without_a_fused_step():
-    import lightning as L
+def test_clipping_stays_with_fabric_for_optimizers_without_a_fused_step(tiny_recipe):
+    def plan(class_path, **init_args):
+        return _plan(tiny_recipe(optimizer={"class_path": class_path, "init_args": {"lr": 1e-3, **init_args}}))
 
-    from litft.finetune import scales_in_step
-
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    model = torch.nn.Linear(4, 4)
-    assert not scales_in_step(fabric, torch.optim.AdamW(model.parameters(), foreach=True))
-    assert not scales_in_step(fabric, torch.optim.RMSprop(model.parameters()))
+    assert plan("torch.optim.AdamW", fused=True).step_scales  # what clip_then_step above runs
+    assert not plan("torch.optim.AdamW", foreach=True).step_scales
+    assert not plan("torch.optim.RMSprop").step_scales
 
 
 def test_profile_window_writes_a_trace_and_the_op_table(tiny_recipe, capsys):

@@ -40,7 +40,7 @@ def test_bf16_true_run_reports_memory_and_mfu(tiny_recipe, method):
                               "implementation": "Triton kernel (litft.kernels.AdamW)",
                               "clipping": "norm only; the fused step divides"}
     assert r["grad_into_weights"] is True
-    # the tiny model's heads of 8 keep flash attention (model.TRITON_ATTENTION_HEAD_SIZES)
+    # the tiny model's heads of 8 keep flash attention (plan.TRITON_ATTENTION_HEAD_SIZES)
     assert r["triton_kernels"] == {"swiglu_rope": True, "loss": True, "residual_norms": True,
                                    "packed_attention": False, "adamw": True}
 
@@ -84,18 +84,18 @@ def test_compiled_and_eager_losses_agree_within_bf16_tolerance(tiny_recipe, tmp_
 
 
 def test_packed_attention_uses_varlen_flash_on_cuda():
-    from litft.model import _VARLEN_GQA, _VARLEN_KWARGS
+    from litft.layers.attention import _VARLEN_GQA, _VARLEN_KWARGS
 
     assert _VARLEN_KWARGS is not None, "torch.nn.attention.varlen is missing: packed rows fall back to a dense mask"
     print(f"varlen_attn takes grouped k/v heads (enable_gqa): {_VARLEN_GQA}")
 
 
 def test_grouped_flash_attention_equals_varlen_attn_over_repeated_heads():
-    """model.GroupedFlashAttention (the flash ops with grouped k/v heads) gives varlen_attn's output over k and v
+    """layers.attention.GroupedFlashAttention (the flash ops with grouped k/v heads) gives varlen_attn's output over k and v
     repeated to every head, and its gradients summed over each group, in bf16 on packed segments."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from litft.model import _VARLEN_KWARGS, GroupedFlashAttention
+    from litft.layers.attention import _VARLEN_KWARGS, GroupedFlashAttention
 
     torch.manual_seed(0)
     heads, groups, head_size, lengths = 8, 2, 64, [37, 200, 5, 270]
@@ -150,21 +150,21 @@ def test_triton_kernels_and_torch_ops_train_alike_on_cuda(tiny_recipe, tmp_path,
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_fused_lora_mlp_and_the_layers_apart_train_alike_under_cuda_graphs(tiny_recipe, tmp_path, monkeypatch,
                                                                           method):
-    """model.FusedLoRAMLP (the MLP's adapters inside the SwiGLU kernels) and the path it replaces (FusedLoRAPair,
-    SwiGLU, FusedLoRA) give the same losses within bf16 rounding, with dropout (one mask per layer from the shared
-    seed) and as CUDA graphs; and the fused one ran."""
-    from litft import model
+    """layers.lora_fused.FusedLoRAMLP (the MLP's adapters inside the SwiGLU kernels) and the path it replaces
+    (FusedLoRAPair, SwiGLU, FusedLoRA) give the same losses within bf16 rounding, with dropout (one mask per layer
+    from the shared seed) and as CUDA graphs; and the fused one ran."""
+    from litft.layers import lora_fused
 
     common = dict(method=method, lora={"r": 8, "alpha": 16, "dropout": 0.05, "targets": ["q", "k", "v", "o", "mlp"]},
                   eval={"initial": False, "final": True, "interval": 0}, seed=3)
     if method == "qlora":
         common["quantize"] = "nf4"
     calls = []
-    real_apply = model.FusedLoRAMLP.apply
-    monkeypatch.setattr(model.FusedLoRAMLP, "apply", lambda *args: calls.append(1) or real_apply(*args))
+    real_apply = lora_fused.FusedLoRAMLP.apply
+    monkeypatch.setattr(lora_fused.FusedLoRAMLP, "apply", lambda *args: calls.append(1) or real_apply(*args))
     fused = litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / "fused")))
     assert calls and fused.result["cuda_graphs"]["on"] and fused.result["cuda_graphs"]["replays"] > 0
-    monkeypatch.setattr(model, "_fused_lora_mlp_applies", lambda mlp, rows: False)
+    monkeypatch.setattr(lora_fused, "fused_lora_mlp_applies", lambda mlp, rows: False)
     apart = litft.finetune(_gpu_recipe(tiny_recipe, **common, out_dir=str(tmp_path / "apart")))
     assert step_losses(fused) == pytest.approx(step_losses(apart), rel=2e-2)
     assert fused.val_loss == pytest.approx(apart.val_loss, rel=2e-2)
@@ -321,7 +321,7 @@ def test_compiled_blocks_are_one_graph_on_cuda(tiny_recipe, method):
 
 
 def test_a_failed_capture_leaves_random_ops_usable():
-    from litft.finetune import reset_capture_state
+    from litft.train.engines import reset_capture_state
 
     x = torch.ones(64, device="cuda")
     with pytest.raises(Exception):
@@ -390,7 +390,7 @@ def test_running_out_of_memory_while_capturing_graphs_exits_4_with_a_snapshot(ti
     """The CUDA graph warm-up runs the largest micro-batch before the loop: running out there is exit 4, too, and
     the memory snapshot is written at that point."""
     from litft.errors import OutOfMemoryError
-    from litft.finetune import GraphedMicroSteps
+    from litft.train.engines import GraphedMicroSteps
 
     def exhausted(self, batches):
         torch.empty(1 << 20, device="cuda")  # something in the allocator's history

@@ -8,7 +8,7 @@ import torch
 
 from litft import kernels
 from litft.kernels import adamw, lora_mask
-from litft.model import SwiGLU
+from litft.layers.mlp import SwiGLU
 
 _adamw_step = kernels.adamw_step_  # the kernel's launcher, before a test wraps it
 
@@ -101,7 +101,8 @@ def test_cross_entropy_kernels_match_torchs(device, dtype):
     (-100) contributing neither; a vocabulary of 5,000 (two loop blocks, the second partly masked)."""
     import torch.nn.functional as F
 
-    from litft.model import IGNORE_INDEX, CrossEntropySum
+    from litft.data import IGNORE_INDEX
+    from litft.layers.loss import CrossEntropySum
 
     torch.manual_seed(0)
     logits = (torch.randn(9, 5000, device=device) * 4).to(dtype)
@@ -127,7 +128,7 @@ def test_cross_entropy_kernels_match_torchs(device, dtype):
 def test_seeded_dropout_draws_its_mask_again_from_the_seed(device):
     """kernels.dropout: about p of the elements zeroed, the rest scaled by 1 / (1 - p); the same seed, the same mask
     (so model.SeededDropout's backward pass applies the forward's mask); another seed, another mask."""
-    from litft.model import SeededDropout
+    from litft.layers.lora import SeededDropout
 
     x = torch.rand(64, 100, device=device) + 0.5  # no zeros of its own
     seed = torch.tensor([1234], device=device)
@@ -149,7 +150,7 @@ def test_seeded_dropout_draws_its_mask_again_from_the_seed(device):
 def test_seeded_dropout_draws_a_new_mask_in_each_cuda_graph_replay():
     """The seed is drawn from torch's generator inside the graph, which advances with each replay: a captured step
     does not repeat its dropout masks."""
-    from litft.model import SeededDropout
+    from litft.layers.lora import SeededDropout
 
     x = torch.ones(4096, device="cuda")
     SeededDropout.apply(x, 0.5)  # Triton compiles the kernel outside the capture
@@ -173,7 +174,7 @@ def test_add_rms_norm_matches_an_add_and_torchs_rms_norm(device, dtype, stream_g
     A hidden size of 48 (masked columns in a block of 64) and 7 rows over 4 programs (one does fewer)."""
     import torch.nn.functional as F
 
-    from litft.model import AddRMSNorm
+    from litft.layers.norm import AddRMSNorm
 
     torch.manual_seed(0)
     residual, delta = torch.randn(7, 48, device=device), torch.randn(7, 48, device=device)
@@ -210,7 +211,9 @@ def test_fused_residual_norms_give_the_blocks_loss_and_gradients(tiny_recipe, mo
     import copy
 
     from litft.data import collate_packed
-    from litft.model import CausalLM, fuses_residual_norms, model_config, use_fast_layers
+    from litft.layers import use_fast_layers
+    from litft.model import CausalLM, model_config
+    from litft.plan import residual_norms_fuse
     from tests.test_fast_path import _loss_and_grads, _lora_gpt, _samples
 
     if method == "lora":
@@ -221,7 +224,7 @@ def test_fused_residual_norms_give_the_blocks_loss_and_gradients(tiny_recipe, mo
         torch.manual_seed(0)
         gpt = GPT(model_config(tiny_recipe(method="full")))
     use_fast_layers(gpt)
-    assert fuses_residual_norms(gpt)
+    assert residual_norms_fuse(gpt.config)
     reference = CausalLM(copy.deepcopy(gpt), loss_chunk=0, max_seq_length=64)
     fused = CausalLM(gpt, loss_chunk=0, max_seq_length=64, fused_residual_norms=True)
     monkeypatch.setattr(kernels, "available", lambda x: True)
@@ -237,7 +240,7 @@ def test_fused_residual_norms_give_the_blocks_loss_and_gradients(tiny_recipe, mo
 
 
 def test_kernels_take_only_cuda_tensors():
-    """On CPU tensors model.SwiGLU runs its torch ops even when asked for the kernels."""
+    """On CPU tensors layers.mlp.SwiGLU runs its torch ops even when asked for the kernels."""
     a = torch.randn(4, 8)
     assert not kernels.available(a)
     torch.testing.assert_close(SwiGLU.apply(a, a, True), SwiGLU.apply(a, a, False))
@@ -257,7 +260,7 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, skip,
     were (torch's kernel writes them back divided), and a state_dict that torch's AdamW loads and steps on from."""
     import lightning as L
 
-    from litft.finetune import clip_gradients
+    from litft.train.optim import clip_gradients
 
     fabric = L.Fabric(accelerator=device, devices=1)
     monkeypatch.setattr(adamw, "ADAMW_TRITON_MIN_NUMEL", 1000)  # the weights (4,800 and 6,000), not the biases
@@ -280,7 +283,7 @@ def test_adamw_kernel_steps_as_torchs_fused_adamw(device, dtype, max_norm, skip,
             for p in model.parameters():
                 p.grad = gradient(p, step)
             if max_norm is not None:
-                clip_gradients(fabric, model, optimizer, max_norm)
+                clip_gradients(fabric, model, optimizer, max_norm, in_step=True)
             if skip:
                 optimizer.optimizer.found_inf = torch.tensor(float(step == 1), device=device)
             before = [p.detach().clone() for p in model.parameters()]

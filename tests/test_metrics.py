@@ -4,10 +4,9 @@ the memory ledger's parts for full, LoRA, QLoRA and SGD."""
 import pytest
 import torch
 
-from litft.memory import (
-    ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_QLORA, GIB, _quantized_bytes_per_param, estimate_memory,
-)
-from litft.metrics import FlopModel, StepRecord, Throughput, peak_flops, snapshot_pools
+from litft.memory import ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_QLORA, estimate_memory
+from litft.memory.ledger import _quantized_bytes_per_param
+from litft.metrics import GIB, FlopModel, StepRecord, Throughput, peak_flops, snapshot_pools
 from litft.recipe import load_recipe
 
 
@@ -54,7 +53,7 @@ def _parts(recipe):
 
 
 def _counts(recipe):
-    from litft.memory import _meta_model
+    from litft.memory.ledger import _meta_model
     from litft.model import model_config
 
     model = _meta_model(recipe, model_config(recipe))
@@ -146,7 +145,7 @@ def test_activations_scale_with_tokens_and_checkpointing_keeps_block_inputs(tiny
 
 
 def _block_params(recipe):
-    from litft.memory import _meta_model
+    from litft.memory.ledger import _meta_model
     from litft.model import model_config
 
     return sum(p.numel() for p in _meta_model(recipe, model_config(recipe)).transformer.h[0].parameters())
@@ -248,7 +247,7 @@ def test_the_eta_counts_from_the_first_step_not_from_loading_and_compiling(monke
 def test_kernel_table_groups_kernels_by_full_name_most_time_first():
     from types import SimpleNamespace
 
-    from litft.finetune import kernel_table
+    from litft.train.profiling import kernel_table
 
     long_name = "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>(int)"
     kernels = [SimpleNamespace(name=long_name, device_time_total=30.0) for _ in range(4)]

@@ -171,15 +171,16 @@ def test_every_config_field_has_a_docstring_that_reaches_help():
     import ast
     import inspect
 
-    import litft.recipe as module
+    import litft.recipe.schema as module
     from litft.recipe import build_parser
 
     tree = ast.parse(inspect.getsource(module))
-    undocumented = []
+    undocumented, classes = [], []
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and any(
             isinstance(d, ast.Name) and d.id == "dataclass" for d in node.decorator_list
         ):
+            classes.append(node.name)
             body = node.body
             for i, stmt in enumerate(body):
                 if isinstance(stmt, ast.AnnAssign):
@@ -187,39 +188,51 @@ def test_every_config_field_has_a_docstring_that_reaches_help():
                     documented = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
                     if not documented:
                         undocumented.append(f"{node.name}.{stmt.target.id}")
-    assert undocumented == []
+    assert undocumented == [] and {"Recipe", "TrainConfig", "DataConfig", "ModelConfig"} <= set(classes)
     help_text = build_parser().format_help()
     assert "Samples per forward/backward pass on each device" in help_text
     assert "--train.micro_batch_size" in help_text and "--lora.targets" in help_text
     assert yaml.safe_load(recipe_to_yaml(Recipe()))["train"]["micro_batch_size"] == 4
 
 
+def _plan(recipe):
+    from litft.model import model_config
+    from litft.plan import resolve
+
+    return resolve(recipe, model_config(recipe), "cpu", 1)
+
+
 def test_pack_steps_is_on_by_default_and_only_takes_effect_with_packing(tiny_recipe):
     """data.pack_steps fills packed micro-batches: on by default, and without packing there is nothing to fill, so
     the loader hands out micro-batches of micro_batch_size samples as before."""
     from litft.recipe import validate
+    from litft.train.result import batch_line
 
     packed = tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 2}, data={"max_seq_length": 96})
-    assert packed.data.pack_steps and packed.packs_steps
-    assert packed.loader_batch_size == 8 and packed.step_capacity == 2 * 96  # a step's samples; 2 rows' positions
-    assert "micro-batches filled to 192 positions (data.pack_steps)" in packed.batch_arithmetic()
+    plan = _plan(packed)
+    assert packed.data.pack_steps and plan.pack_steps
+    assert plan.loader_batch_size == 8 and plan.step_capacity == 2 * 96  # a step's samples; 2 rows' positions
+    assert "micro-batches filled to 192 positions (data.pack_steps)" in batch_line(packed, plan)
     padded = tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 2}, data={"packing": False})
-    assert padded.data.pack_steps and not padded.packs_steps and validate(padded, check_paths=False) == []
-    assert padded.loader_batch_size == 2 and "pack_steps" not in padded.batch_arithmetic()
+    plan = _plan(padded)
+    assert padded.data.pack_steps and not plan.pack_steps and validate(padded, check_paths=False) == []
+    assert plan.loader_batch_size == 2 and "pack_steps" not in batch_line(padded, plan)
 
 
 def test_pack_capacity_sets_the_positions_per_packed_micro_batch(tiny_recipe):
     """data.pack_capacity replaces micro_batch_size x max_seq_length as a packed micro-batch's positions: in the
     loader's capacity, the batch line and the memory ledger's tokens; it must fit a whole sample, and it needs
     packed steps."""
-    from litft.memory import _candidate_changes
+    from litft.memory.fit import _candidate_changes
     from litft.recipe import validate
+    from litft.train.result import batch_line
 
     roomy = tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 2}, data={"max_seq_length": 96,
                                                                                     "pack_capacity": 256})
     assert validate(roomy, check_paths=False) == []
-    assert roomy.step_capacity == 256 and roomy.loader_batch_size == 8
-    assert "micro-batches filled to 256 positions (data.pack_steps)" in roomy.batch_arithmetic()
+    plan = _plan(roomy)
+    assert plan.step_capacity == 256 and plan.loader_batch_size == 8
+    assert "micro-batches filled to 256 positions (data.pack_steps)" in batch_line(roomy, plan)
     # what would fit drops the capacity first, and with every smaller micro batch
     changes = dict(_candidate_changes(roomy))
     assert changes["data.pack_capacity null (micro-batches of 192 positions, same global batch)"] == \

@@ -144,7 +144,7 @@ def test_a_non_finite_step_read_after_its_update_was_launched_changes_no_weights
     the device through found_inf) and step N+1's forward and backward: the run still stops at step 2 with the
     weights of step 1, those a run that reads every step at once saved at step 1 (on CUDA: bf16-true, the step's
     numbers copied to the host behind an event, the micro-batches replayed as CUDA graphs)."""
-    finetune_module = sys.modules["litft.finetune"]  # the module (litft.finetune is its function)
+    import litft.train.loop as loop
 
     def recipe(save_interval):
         return tiny_recipe(
@@ -160,19 +160,19 @@ def test_a_non_finite_step_read_after_its_update_was_launched_changes_no_weights
     saved = load_checkpoint(committed_checkpoints(litft.recipe.resolve_path(recipe(1).out_dir))[0])["trainable"]
 
     seen = {}
-    real_fit = finetune_module.fit
+    real_fit = loop.fit
 
-    def fit(fabric, recipe, model, optimizer, *args, **kwargs):
-        seen["model"], seen["optimizer"] = model, optimizer
-        return real_fit(fabric, recipe, model, optimizer, *args, **kwargs)
+    def fit(run, *args, **kwargs):
+        seen["model"], seen["optimizer"] = run.model, run.optimizer
+        return real_fit(run, *args, **kwargs)
 
-    monkeypatch.setattr(finetune_module, "fit", fit)
+    monkeypatch.setattr(loop, "fit", fit)
     with pytest.raises(NonFiniteLossError) as info:
         litft.finetune(recipe(save_interval=None))
     assert "at step 2 (rank 0)" in str(info.value) and "weights are those of step 1" in str(info.value)
     inner = getattr(seen["optimizer"], "optimizer", seen["optimizer"])
     assert float(inner.found_inf) == 1.0  # the update of step 2 was launched, told to skip itself
-    weights = dict(finetune_module.unwrap(seen["model"]).named_parameters())
+    weights = dict(loop.unwrap(seen["model"]).named_parameters())
     assert saved and all(torch.equal(weights[name].detach().cpu(), value) for name, value in saved.items())
 
 
@@ -229,14 +229,12 @@ def test_out_of_memory_exits_4_naming_the_batch_and_what_would_help(tiny_recipe,
 
 
 def test_out_of_memory_while_loading_the_model_exits_4(tiny_recipe, monkeypatch):
-    import importlib
-
-    ft = importlib.import_module("litft.finetune")  # the module (litft.finetune is also the function)
+    import litft.train.setup as setup
 
     def exhausted(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 GiB")
 
-    monkeypatch.setattr(ft, "build_model", exhausted)
+    monkeypatch.setattr(setup, "build_model", exhausted)
     with pytest.raises(OutOfMemoryError) as info:
         litft.finetune(tiny_recipe(method="full", precision="32-true"))
     assert info.value.exit_code == 4

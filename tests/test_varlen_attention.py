@@ -183,20 +183,20 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_packed_attention_takes_the_kernels_where_they_apply(device, monkeypatch):
-    """model.causal_attention on a packed row (a Packed mask, one row) runs these kernels for a module with
-    triton_kernels, grouped heads and a head size of TRITON_ATTENTION_HEAD_SIZES, and gives the output and q, k, v
-    gradients of the path without them (flash attention's varlen ops on CUDA; SDPA with a block-diagonal mask on
-    the CPU) within bf16 rounding. train.attention_kernel: auto leaves ungrouped heads to flash attention, flash
-    takes none, triton takes ungrouped heads too. On the CPU the interpreter stands in for CUDA
-    (kernels.available says yes), at head size 16 and small tiles; on CUDA TinyLlama's heads (32 of 64 over 4)."""
+    """layers.attention.causal_attention on a packed row (a Packed mask, one row) runs these kernels for a module the
+    plan gave triton_attention, and gives the output and q, k, v gradients of the path without them (flash
+    attention's varlen ops on CUDA; SDPA with a block-diagonal mask on the CPU) within bf16 rounding. The plan's
+    choice by train.attention_kernel: auto takes grouped heads of TRITON_ATTENTION_HEAD_SIZES only, flash none,
+    triton any shape the kernels take. On the CPU the interpreter stands in for CUDA (kernels.available says yes), at
+    head size 16 and small tiles; on CUDA TinyLlama's heads (32 of 64 over 4)."""
     from types import SimpleNamespace
 
-    from litft import model
+    from litft.layers import attention
+    from litft.plan import TRITON_ATTENTION_HEAD_SIZES, triton_attention_fits
 
     torch.manual_seed(0)
     if device == "cpu":
-        monkeypatch.setattr(model.kernels, "available", lambda x: True)
-        monkeypatch.setattr(model, "TRITON_ATTENTION_HEAD_SIZES", (16,))
+        monkeypatch.setattr(kernels, "available", lambda x: True)
         monkeypatch.setitem(varlen_attention.TILES, 16, SMALL)
         heads, groups, head_size, bounds = 4, 2, 16, UNEVEN
     else:
@@ -210,19 +210,25 @@ def test_packed_attention_takes_the_kernels_where_they_apply(device, monkeypatch
     q, k, v = (torch.randn(1, n, h, head_size, device=device).to(torch.bfloat16) for h in (heads, groups, groups))
     grad = torch.randn(1, n, heads, head_size, device=device).to(torch.bfloat16)
     results = []
-    for triton_kernels in (True, False):
-        module = SimpleNamespace(config=config, mscale=1.0, triton_kernels=triton_kernels)
+    for triton_attention in (True, False):
+        module = SimpleNamespace(config=config, mscale=1.0, triton_attention=triton_attention)
         inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = model.causal_attention(module, *inputs, model.Packed(cu, 512))
+        out = attention.causal_attention(module, *inputs, attention.Packed(cu, 512))
         out.backward(grad)
         results.append([out.float(), *(x.grad.float() for x in inputs)])
         assert len(calls) == 1  # the first pass only
     for actual, wanted in zip(*results):
         torch.testing.assert_close(actual, wanted, rtol=2e-2, atol=3e-2)
-    # train.attention_kernel: auto takes grouped heads only; flash never; triton any shape the kernels take
+    # train.attention_kernel, as the plan decides it: auto takes grouped heads of the measured sizes only; flash
+    # never; triton any shape the kernels take
+    assert triton_attention_fits(64, 32, 4, "auto") and 64 in TRITON_ATTENTION_HEAD_SIZES
+    assert not triton_attention_fits(64, 32, 32, "auto")  # ungrouped heads
+    assert not triton_attention_fits(128, 32, 4, "auto")  # not a measured size
+    assert not triton_attention_fits(64, 32, 4, "flash") and not triton_attention_fits(128, 32, 32, "flash")
+    assert triton_attention_fits(128, 32, 32, "triton") and triton_attention_fits(head_size, heads, groups, "triton")
+    assert not triton_attention_fits(100, 32, 32, "triton")  # a head size the kernels do not take
+    # a module of ungrouped heads the plan gave the kernels (attention_kernel triton) runs them
     k_all = k.repeat_interleave(heads // groups, dim=2)
-    for kernel, (k_in, v_in), expected_calls in (("auto", (k_all, k_all), 1), ("flash", (k, v), 1),
-                                                 ("triton", (k_all, k_all), 2)):
-        module = SimpleNamespace(config=config, mscale=1.0, triton_kernels=True, attention_kernel=kernel)
-        model.causal_attention(module, q, k_in, v_in, model.Packed(cu, 512))
-        assert len(calls) == expected_calls, kernel
+    module = SimpleNamespace(config=config, mscale=1.0, triton_attention=True)
+    attention.causal_attention(module, q, k_all, k_all, attention.Packed(cu, 512))
+    assert len(calls) == 2

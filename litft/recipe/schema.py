@@ -1,0 +1,402 @@
+"""The recipe's schema: typed, nested dataclasses, one per concern, with a docstring on every field (the docstrings
+are `litft finetune --help`'s text). YAML recipes set only what differs from these defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+PACKAGE_PREFIX = "litft:"
+
+
+def resolve_path(path: str | Path | None) -> Path | None:
+    """A path as given in a recipe: 'litft:demo/model' lies inside the installed package, anything else is a
+    normal path (relative to the working directory)."""
+    if path is None:
+        return None
+    path = str(path)
+    if path.startswith(PACKAGE_PREFIX):
+        return Path(str(files("litft") / "assets")) / path[len(PACKAGE_PREFIX) :]
+    return Path(path).expanduser()
+
+
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true"]
+LoRATarget = Literal["q", "k", "v", "o", "mlp", "head"]
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune, and where its files are."""
+
+    name: Optional[str] = None
+    """LitGPT model name (as in `litgpt.Config.from_name`), e.g. 'tiny-llama-1.1b', 'open_llama_7b'. Needed for
+    `init: random`. With `init: pretrained` the architecture is read from the checkpoint's model_config.yaml, and a
+    name given here must agree with it."""
+
+    checkpoint_dir: Optional[str] = None
+    """LitGPT checkpoint directory (lit_model.pth, model_config.yaml, tokenizer files), as written by
+    `litgpt download <repo_id>`. Needed for `init: pretrained`; never downloaded implicitly. A path starting with
+    'litft:' points inside the litft package (the shipped demo model)."""
+
+    tokenizer_dir: Optional[str] = None
+    """Directory holding tokenizer.json or tokenizer.model, when it is not checkpoint_dir (e.g. `init: random` with a
+    tokenizer from elsewhere). Defaults to checkpoint_dir."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (LoRA, arXiv 2106.09685): W x + (alpha / r) * B A x, with A: r x d_in and B: d_out x r."""
+
+    r: int = 8
+    """Rank of the adapter matrices. Trainable parameters per adapted d_out x d_in weight: r * (d_in + d_out)."""
+
+    alpha: int = 16
+    """Scaling numerator: the update is multiplied by alpha / r."""
+
+    dropout: float = 0.05
+    """Dropout on the adapter's input (training only)."""
+
+    targets: list[LoRATarget] = field(default_factory=lambda: ["q", "v"])
+    """Which projections get adapters: q, k, v (attention inputs), o (attention output), mlp (all MLP linears),
+    head (the output layer)."""
+
+
+@dataclass
+class DataFields:
+    """Names of the JSON keys that hold each part of an instruction record."""
+
+    instruction: str = "instruction"
+    """Key of the instruction (prompt) text."""
+
+    input: str = "input"
+    """Key of the optional extra input; records without it, or with an empty string, have none."""
+
+    output: str = "output"
+    """Key of the response the model learns to produce."""
+
+
+@dataclass
+class DataConfig:
+    """The instruction data set and how it becomes token sequences."""
+
+    path: str = "litft:demo/instructions.jsonl"
+    """Alpaca-format data: a .json file holding a list of records, or a .jsonl file with one record per line."""
+
+    val_path: Optional[str] = None
+    """A separate validation file in the same format. When unset, `val_split` of `path` is held out."""
+
+    val_split: float = 0.05
+    """Fraction of records held out for validation (a fixed, seeded split) when val_path is unset."""
+
+    fields: DataFields = field(default_factory=DataFields)
+    """JSON keys of instruction, input and output."""
+
+    prompt_style: str = "alpaca"
+    """LitGPT prompt style that turns a record into the prompt text ('alpaca', 'default', 'llama2', ...)."""
+
+    max_seq_length: int = 512
+    """Longest token sequence (prompt + response); longer samples are truncated (and counted in the log)."""
+
+    mask_prompt: bool = True
+    """Train on the response only: prompt tokens get no loss."""
+
+    packing: bool = True
+    """Concatenate each micro-batch's samples into one row, attention kept within each sample: the same samples and
+    loss as padding to the longest, without computing the padding (typically a third to a half of the positions)."""
+
+    pack_steps: bool = True
+    """With packing: fill micro-batches by positions, not samples. Each step's samples go into as few micro-batches
+    of data.pack_capacity positions as fit: the same samples and update per step, fewer and fuller passes at the same
+    peak memory. false: micro_batch_size samples per micro-batch."""
+
+    pack_capacity: Optional[int] = None
+    """Positions per micro-batch under data.pack_steps (null: micro_batch_size x max_seq_length). Sets peak activation
+    memory apart from the sample count; at least data.max_seq_length."""
+
+    fit_steps: bool = True
+    """Under data.pack_steps: swap a step's longest sample with a nearby later one where that makes the step fit its
+    micro-batches (every sample still once per epoch), so no step runs a second, short pass. false: the plain
+    shuffled order."""
+
+    num_workers: int = 2
+    """DataLoader worker processes (0 = load in the training process)."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch arithmetic, schedule and the training loop's switches."""
+
+    global_batch_size: int = 16
+    """Samples per optimizer step, summed over devices. gradient accumulation =
+    global_batch_size / (micro_batch_size x devices), which must be a whole number."""
+
+    micro_batch_size: int = 4
+    """Samples per forward/backward pass on each device. Activation memory grows linearly with it."""
+
+    epochs: int = 1
+    """Passes over the training set."""
+
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (even within the first epoch). Unset: run all epochs."""
+
+    warmup_steps: int = 100
+    """Optimizer steps of linear learning-rate warm-up from 0 (capped at the run's total steps)."""
+
+    lr_schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    """Learning rate after warm-up: cosine or linear decay to min_lr_ratio x lr, or constant."""
+
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the optimizer's lr (cosine and linear schedules)."""
+
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value before each step. Unset: no clipping."""
+
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass: activation memory drops to about one
+    block's worth plus the block inputs, for ~30% more compute."""
+
+    save_interval: Optional[int] = None
+    """Write a checkpoint every this many optimizer steps (out_dir/checkpoints/step-N, committed atomically), so
+    `--resume auto` can continue an interrupted run exactly. Unset: only the final weights are written."""
+
+    keep_last_n: int = 2
+    """Committed checkpoints to keep; an older one is deleted only after its successor is committed."""
+
+    compile: Literal["auto", "always", "never"] = "auto"
+    """torch.compile each transformer block (one graph for every block and row length). 'auto': eager on the CPU and
+    where litft's Triton kernels run (they measured faster); compiled on CUDA without CUDA graphs, or with them when
+    the planned work repays the compile time. The run's speed line says what was decided and why."""
+
+    cuda_graphs: Literal["auto", "always", "never"] = "auto"
+    """Replay each micro-batch's forward and backward as one CUDA graph, so the host launches one graph instead of
+    thousands of kernels (what limits small models); rows are padded to a few fixed widths, one capture each. 'auto':
+    on for a single CUDA device; off on the CPU and with DDP (its all-reduce runs inside backward)."""
+
+    fast_lora: bool = True
+    """LoRA layers as plain matmuls: the scale on the r-wide product, B's output added by its matmul in place, one
+    block-diagonal matmul for q, k, v. The same function as LitGPT's layers; false runs LitGPT's."""
+
+    fused_rms_norm: bool = True
+    """RMSNorm as torch's fused rms_norm (one kernel each way on CUDA; keeps the 16-bit input and an fp32 scale per
+    row, where LitGPT's keeps fp32 copies). The same arithmetic; false runs LitGPT's norm."""
+
+    fast_attention: bool = True
+    """Llama-style attention with RoPE on q and k as one function and grouped k, v heads passed to the kernel as they
+    are (LitGPT's copies them to every query head). The same function; false runs LitGPT's forward."""
+
+    lean_swiglu: bool = True
+    """The LLaMA MLP's silu(fc_1(x)) recomputed in the backward pass rather than kept: one tensor of intermediate_size
+    per token and block less, for one elementwise pass more. false: LitGPT's MLP forward."""
+
+    lean_mixed_linear: bool = True
+    """With -mixed precision: linear layers keep the fp32 weight for the backward pass and cast it again there, instead
+    of keeping autocast's 16-bit copy of every weight (2 bytes per weight less at the peak, a few % more step time).
+    The same arithmetic; false: autocast's own linear."""
+
+    grad_into_weights: bool = True
+    """The backward matmuls add weight gradients (full fine-tune) or adapter gradients (LoRA) into .grad themselves,
+    sparing a kernel per weight and micro-batch. One device, -true precision, eager blocks (DDP hooks autograd's add,
+    dynamo cannot trace a backward that writes .grad). false: autograd's accumulation."""
+
+    triton_kernels: bool = True
+    """litft's Triton kernels on CUDA: SwiGLU, RoPE with the qkv split, the residual add fused into RMSNorm, LoRA's
+    dropout and whole LoRA layers, the loss's cross-entropy, AdamW's step (litft.kernels). The same arithmetic
+    (dropout: the same distribution, not torch's draws); false: torch's ops. docs/speed.md lists what each is worth."""
+
+    attention_kernel: Literal["auto", "flash", "triton"] = "auto"
+    """Packed rows' attention with triton_kernels on CUDA: 'auto' litft's Triton kernels where measured faster (grouped
+    k/v heads of 64, TinyLlama's), flash attention elsewhere; 'flash' flash attention everywhere; 'triton' wherever
+    the kernels take the shape (to measure other models)."""
+
+    loss_chunk: int = 4096
+    """Positions per output-layer chunk in the loss, each chunk's logits recomputed in the backward pass, so the
+    (tokens x vocabulary) logits never exist at once; 0: the whole micro-batch. A chunk holds 2 bytes per logit with
+    the Triton loss (4,096 x 32,000 x 2 B = 0.24 GiB), ~12 with torch's (set 1024 if memory is tight there)."""
+
+
+@dataclass
+class EvalConfig:
+    """Validation during and after training."""
+
+    interval: int = 100
+    """Validate every this many optimizer steps (0: only before and after training)."""
+
+    max_batches: Optional[int] = None
+    """Cap on validation batches per evaluation (unset: the whole validation set)."""
+
+    initial: bool = True
+    """Validate before the first step, so the run records the loss it started from."""
+
+    final: bool = True
+    """Validate after the last step."""
+
+
+@dataclass
+class LoggingConfig:
+    """What the run prints and writes."""
+
+    interval: int = 1
+    """Write a metrics row (metrics.jsonl, TensorBoard) every this many optimizer steps."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to out_dir/tensorboard."""
+
+    progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    """Live progress: a rich bar on a terminal, plain log lines otherwise ('auto'), or forced."""
+
+    skip_steps: int = 2
+    """Optimizer steps at the start left out of the throughput figures (compilation, allocator and cache warm-up).
+    Runs with no more steps than this report all steps and say so."""
+
+    profile: Optional[str] = None
+    """Record a torch profiler trace of optimizer steps START-END (e.g. '5-7') to out_dir/profile, viewable in
+    TensorBoard or Perfetto (ui.perfetto.dev)."""
+
+    memory_snapshot: int = 0
+    """Record the CUDA allocator's history through optimizer step N (or until an out-of-memory error) to
+    out_dir/memory_snapshot.pickle, for pytorch.org/memory_viz. 0: off. CUDA only."""
+
+    nvtx: bool = False
+    """Mark forward, backward and optimizer phases with NVTX ranges, so an Nsight Systems capture
+    (nsys profile -t cuda,nvtx litft finetune ...) shows them by name."""
+
+    gpu_sample_interval: float = 0.5
+    """Seconds between NVML samples of device memory used and GPU utilisation while training (0: off)."""
+
+
+@dataclass
+class OptimizerSpec:
+    """An optimizer class and its keyword arguments; any `torch.optim.Optimizer` subclass works."""
+
+    class_path: str = "torch.optim.AdamW"
+    """Import path of the class: torch.optim.AdamW, torch.optim.SGD, bitsandbytes.optim.AdamW8bit,
+    bitsandbytes.optim.PagedAdamW, ..."""
+
+    init_args: dict[str, Any] = field(
+        default_factory=lambda: {"lr": 2e-4, "weight_decay": 0.0, "betas": [0.9, 0.95]}
+    )
+    """Keyword arguments of the class (lr, weight_decay, betas, momentum, ...), checked against its signature."""
+
+
+@dataclass
+class Recipe:
+    """A complete fine-tuning run. Recipes in YAML set only what differs from these defaults."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model and its files."""
+
+    init: Literal["pretrained", "random"] = "pretrained"
+    """'pretrained' loads checkpoint_dir/lit_model.pth; 'random' builds the named architecture with random weights
+    (speed and memory do not depend on weight values, so any recipe can be measured without a download)."""
+
+    method: Literal["full", "lora", "qlora"] = "lora"
+    """'full' trains every weight; 'lora' trains adapters on frozen weights; 'qlora' is LoRA on 4-bit frozen weights."""
+
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Adapter shape (methods lora and qlora)."""
+
+    quantize: Optional[Literal["nf4", "nf4-dq", "fp4", "fp4-dq"]] = None
+    """4-bit format of the frozen weights (method qlora only): nf4 or fp4 (bitsandbytes), '-dq' adds double
+    quantization of the scales (~0.4 bit/parameter less)."""
+
+    precision: PrecisionName = "bf16-true"
+    """Fabric precision: '32-true'; '16-mixed'/'bf16-mixed' (16-bit compute over fp32 weights, +fp32 master copy);
+    '16-true'/'bf16-true' (weights, gradients and optimizer state in 16 bits)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data set."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch arithmetic and schedule."""
+
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """Optimizer class and arguments."""
+
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logging and progress."""
+
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run: 'auto' picks CUDA when a GPU is present, else the CPU."""
+
+    devices: int = 1
+    """Number of devices (GPUs, or CPU processes) to train on."""
+
+    strategy: Literal["auto", "ddp"] = "auto"
+    """How several devices share the work; 'auto' is a single device, or DDP (a full replica per device, gradients
+    averaged) when devices > 1."""
+
+    out_dir: str = "out/run"
+    """Where the run writes its config, metrics, TensorBoard events, result.json and weights."""
+
+    seed: int = 1337
+    """Seed for weights init, LoRA dropout, data split and shuffling."""
+
+    merge: bool = False
+    """LoRA/QLoRA: also write a merged full checkpoint (base + adapter) to out_dir/final/merged."""
+
+    memory_cap: Optional[str] = None
+    """Make a large GPU behave like a smaller one: '24GiB' (an absolute cap) or '0.3' (a fraction of the GPU's
+    memory). torch's allocator then fails past the cap exactly as it would on the smaller GPU."""
+
+    # ---- derived values: one definition each ----
+
+    @property
+    def world_size(self) -> int:
+        return self.devices
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on each device: global / (micro x devices)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.world_size)
+
+    def batch_arithmetic(self) -> str:
+        t = self.train
+        return (
+            f"micro_batch_size {t.micro_batch_size} x accumulation {self.grad_accum} x devices {self.world_size}"
+            f" = global_batch_size {t.global_batch_size}; up to {t.global_batch_size * self.data.max_seq_length:,}"
+            f" tokens per step at max_seq_length {self.data.max_seq_length}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Saving and identity
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    return plain(dataclasses.asdict(recipe))
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=None)
+
+
+def config_hash(recipe: Recipe) -> str:
+    """A short hash of everything that shapes the training result (not where it is written or how it is shown)."""
+    values = recipe_to_dict(recipe)
+    for key in ("out_dir", "logging"):
+        values.pop(key, None)
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def plain(value: Any) -> Any:
+    """Namespaces, tuples and Paths to plain dicts, lists and strings (what YAML and JSON hold)."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value

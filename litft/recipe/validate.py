@@ -1,0 +1,181 @@
+"""Pass 3 of loading a recipe: the settings that contradict each other or name what is not there, every problem at
+once, each as 'dotted.key: what is wrong and what to do'."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from litft.recipe.schema import Recipe, resolve_path
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pass 3: meaning
+# ----------------------------------------------------------------------------------------------------------------------
+
+_CHECKPOINT_FILES = ("lit_model.pth", "model_config.yaml")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
+    """Every contradiction in the recipe, as 'dotted.key: what is wrong and what to do'. Empty list: valid."""
+    problems: list[str] = []
+    t, d = recipe.train, recipe.data
+
+    for key, value in [
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.epochs", t.epochs),
+        ("devices", recipe.devices),
+        ("data.max_seq_length", d.max_seq_length),
+        ("logging.interval", recipe.logging.interval),
+    ]:
+        if value < 1:
+            problems.append(f"{key}: must be at least 1, got {value}")
+    if t.micro_batch_size >= 1 and recipe.devices >= 1 and t.global_batch_size >= 1:
+        per_step = t.micro_batch_size * recipe.devices
+        if t.global_batch_size % per_step:
+            lower = max(per_step, t.global_batch_size // per_step * per_step)
+            problems.append(
+                f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x devices ="
+                f" {t.micro_batch_size} x {recipe.devices} = {per_step}; try {lower} or {lower + per_step}"
+            )
+    if d.pack_capacity is not None:
+        if not (d.packing and d.pack_steps):
+            problems.append(f"data.pack_capacity: {d.pack_capacity} needs data.packing and data.pack_steps (both true);"
+                            " set it to null, or turn both on")
+        elif d.pack_capacity < d.max_seq_length:
+            problems.append(f"data.pack_capacity: {d.pack_capacity} is below data.max_seq_length {d.max_seq_length}:"
+                            " a sample must fit one micro-batch; use at least that, or null")
+    if t.save_interval is not None and t.save_interval < 1:
+        problems.append(f"train.save_interval: must be at least 1 or null, got {t.save_interval}")
+    if t.keep_last_n < 1:
+        problems.append(f"train.keep_last_n: must be at least 1 (the checkpoint to resume from), got {t.keep_last_n}")
+    if t.loss_chunk < 0:
+        problems.append(f"train.loss_chunk: must be 0 (no chunking) or positive, got {t.loss_chunk}")
+    if t.max_steps is not None and t.max_steps < 1:
+        problems.append(f"train.max_steps: must be at least 1 or null, got {t.max_steps}")
+    if t.warmup_steps < 0:
+        problems.append(f"train.warmup_steps: must be 0 or more, got {t.warmup_steps}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        problems.append(f"train.min_lr_ratio: must be within [0, 1], got {t.min_lr_ratio}")
+    if t.max_grad_norm is not None and t.max_grad_norm <= 0:
+        problems.append(f"train.max_grad_norm: must be positive or null, got {t.max_grad_norm}")
+    if recipe.eval.interval < 0:
+        problems.append(f"eval.interval: must be 0 or more, got {recipe.eval.interval}")
+    if d.val_path is None and not 0.0 < d.val_split < 1.0:
+        problems.append(f"data.val_split: must be within (0, 1) when data.val_path is unset, got {d.val_split}")
+    if d.num_workers < 0:
+        problems.append(f"data.num_workers: must be 0 or more, got {d.num_workers}")
+
+    if recipe.logging.profile is not None:
+        start, _, end = recipe.logging.profile.partition("-")
+        if not (start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
+            problems.append(f"logging.profile: '{recipe.logging.profile}' should be a step window START-END, e.g. 5-7")
+    if recipe.memory_cap is not None:
+        try:
+            parse_memory_cap(recipe.memory_cap, total_gib=80.0)
+        except ValueError as err:
+            problems.append(f"memory_cap: {err}")
+
+    lr = recipe.optimizer.init_args.get("lr")
+    if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
+        problems.append(f"optimizer.init_args.lr: must be a positive number, got {lr!r}")
+
+    # Methods, quantization and precision
+    if recipe.method in ("lora", "qlora"):
+        lo = recipe.lora
+        if lo.r < 1:
+            problems.append(f"lora.r: must be at least 1, got {lo.r}")
+        if not lo.targets:
+            problems.append("lora.targets: choose at least one of q, k, v, o, mlp, head")
+        if not 0.0 <= lo.dropout < 1.0:
+            problems.append(f"lora.dropout: must be within [0, 1), got {lo.dropout}")
+    if recipe.method == "qlora":
+        if recipe.quantize is None:
+            problems.append("quantize: method qlora needs a 4-bit format: nf4, nf4-dq, fp4 or fp4-dq")
+        if recipe.precision.endswith("-mixed"):
+            problems.append(
+                f"precision: {recipe.precision} cannot be combined with 4-bit weights; use bf16-true (or 16-true,"
+                " 32-true): the 4-bit weights are dequantized to that dtype for each matmul"
+            )
+        if recipe.accelerator == "cpu":
+            problems.append("method: qlora needs a CUDA GPU (bitsandbytes' 4-bit training path in Fabric is GPU-only)")
+        if recipe.devices > 1:
+            problems.append("method: qlora runs on one device in litft for now; set devices: 1")
+    elif recipe.quantize is not None:
+        problems.append(
+            f"quantize: {recipe.quantize} applies to method qlora only (frozen 4-bit weights under LoRA adapters);"
+            f" method is {recipe.method}. Set method: qlora, or quantize: null"
+        )
+
+    # Model files
+    m = recipe.model
+    if recipe.init == "random" and m.name is None and m.checkpoint_dir is None:
+        problems.append("model.name: init random needs an architecture name, e.g. tiny-llama-1.1b or open_llama_7b")
+    if m.name is not None:
+        from litgpt.config import name_to_config
+
+        if m.name not in name_to_config:
+            close = difflib.get_close_matches(m.name, list(name_to_config), n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            problems.append(f"model.name: '{m.name}' is not a LitGPT model name{hint}")
+    if recipe.init == "pretrained":
+        if m.checkpoint_dir is None:
+            problems.append(
+                "model.checkpoint_dir: init pretrained needs a LitGPT checkpoint directory (get one with"
+                " `litgpt download <repo_id>`), or set init: random to measure with random weights"
+            )
+        elif check_paths:
+            problems += checkpoint_dir_problems(resolve_path(m.checkpoint_dir), "model.checkpoint_dir")
+    if check_paths:
+        tok_dir = resolve_path(m.tokenizer_dir or m.checkpoint_dir)
+        if tok_dir is None:
+            problems.append("model.tokenizer_dir: no tokenizer: set model.checkpoint_dir or model.tokenizer_dir")
+        elif tok_dir.is_dir() and not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+            key = "model.tokenizer_dir" if m.tokenizer_dir else "model.checkpoint_dir"
+            problems.append(f"{key}: '{tok_dir}' has no tokenizer.json or tokenizer.model")
+        elif not tok_dir.is_dir() and recipe.init == "random":
+            key = "model.tokenizer_dir" if m.tokenizer_dir else "model.checkpoint_dir"
+            problems.append(f"{key}: '{tok_dir}' is not a directory (it should hold the tokenizer files)")
+        for key, value in [("data.path", d.path), ("data.val_path", d.val_path)]:
+            if value is not None and not resolve_path(value).is_file():
+                problems.append(f"{key}: no such file '{value}'")
+    return problems
+
+
+def parse_memory_cap(text: str, total_gib: float) -> float:
+    """'24GiB' / '24' GiB -> 24.0; '0.3' (a fraction, < 1) -> 0.3 x total. Returns GiB."""
+    value = str(text).strip()
+    unit = value.lower()
+    if unit.endswith("gib") or unit.endswith("gb"):
+        if unit.endswith("gb") and not unit.endswith("gib"):
+            raise ValueError(f"'{text}': write GiB (2^30 bytes), the unit torch and litft report")
+        number = value[: -3]
+        gib = float(number)
+    else:
+        number = float(value)
+        gib = number * total_gib if number < 1 else number
+    if gib <= 0:
+        raise ValueError(f"'{text}' must be positive")
+    return gib
+
+
+def checkpoint_dir_problems(path: Path, key: str) -> list[str]:
+    """What a LitGPT checkpoint directory lacks; never a download (a typo must not turn into network traffic)."""
+    if not path.is_dir():
+        parent = path.parent
+        close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1) if parent.is_dir() else []
+        hint = f" Did you mean '{parent / close[0]}'?" if close else ""
+        return [
+            f"{key}: '{path}' does not exist.{hint} Download weights with `litgpt download <repo_id>` (e.g."
+            " TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), or use init: random"
+        ]
+    missing = [f for f in _CHECKPOINT_FILES if not (path / f).is_file()]
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        missing.append("tokenizer.json or tokenizer.model")
+    if missing:
+        return [
+            f"{key}: '{path}' lacks {', '.join(missing)}; a LitGPT checkpoint directory holds lit_model.pth,"
+            " model_config.yaml and the tokenizer (`litgpt download` writes all three)"
+        ]
+    return []
