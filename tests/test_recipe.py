@@ -250,3 +250,24 @@ def test_pack_capacity_sets_the_positions_per_packed_micro_batch(tiny_recipe):
     assert unpacked.value.problems == [
         "data.pack_capacity: 256 needs data.packing and data.pack_steps (both true); set it to null, or turn both on"]
 
+
+
+def test_a_source_checkout_without_install_finds_the_shipped_recipes(tmp_path):
+    """From a source checkout on PYTHONPATH (no `pip install`: the GPU calls run litft that way) the recipes are the
+    recipes/ folder beside litft/, and `litft ls` lists them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from litft.recipe.load import SOURCE_RECIPES
+
+    repo = Path(__file__).resolve().parents[1]
+    assert SOURCE_RECIPES == repo / "recipes" and (SOURCE_RECIPES / "demo.yaml").is_file()
+    code = ("import sys; sys.modules['litft.recipes'] = None\n"  # as if not installed: the import fails
+            "from litft.recipe import recipe_names, recipes_dir\n"
+            "print(recipes_dir()); print(' '.join(recipe_names()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    where, names = out.stdout.splitlines()
+    assert Path(where) == repo / "recipes" and "tiny-llama-lora" in names.split()

@@ -29,13 +29,17 @@ from litft.recipe.validate import validate
 # Paths, recipe lookup
 # ----------------------------------------------------------------------------------------------------------------------
 
+SOURCE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+"""The recipes/ folder beside the litft/ folder in a source checkout (this file is litft/recipe/load.py)."""
+
+
 def recipes_dir() -> Path:
     """The shipped recipes: the package litft.recipes once installed (a wheel, or `pip install -e .`), else the
     recipes/ folder beside the litft/ folder (a source checkout on PYTHONPATH)."""
     try:
         return Path(str(resources.files("litft.recipes")))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[1] / "recipes"
+        return SOURCE_RECIPES
 
 
 def recipe_names() -> list[str]:
