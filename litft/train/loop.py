@@ -315,8 +315,11 @@ class StepNumbers:
     before the next update (see fit)."""
 
     step: int
+    on_device: torch.Tensor
+    """[loss, gradient norm] (the loss twice without clipping) where the step computed them: what the fused
+    optimizer's found_inf is made from, on the device."""
     check: torch.Tensor
-    """[loss, gradient norm] (the loss twice without clipping): on the host once ``ready`` has passed."""
+    """The same on the host, once ``ready`` has passed."""
     ready: Any
     """A CUDA event recorded after the copy to the host, or None (the check is already on the host)."""
     record: metrics.StepRecord
@@ -326,12 +329,12 @@ class StepNumbers:
     @classmethod
     def of(cls, step: int, check: torch.Tensor, record: metrics.StepRecord, epoch: float) -> StepNumbers:
         if check.device.type != "cuda":
-            return cls(step, check, None, record, epoch)
+            return cls(step, check, check, None, record, epoch)
         host = torch.empty(check.shape, dtype=check.dtype, pin_memory=True)
         host.copy_(check, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(step, host, ready, record, epoch)
+        return cls(step, check, host, ready, record, epoch)
 
     def read(self) -> tuple[float, float]:
         """The loss and gradient norm (waits for the step to get that far on the device)."""
@@ -368,7 +371,7 @@ def fit(run: Run, micro_step, meters: Meters) -> None:
             log_step(run, meters, pending, *read_step(run, meters, pending), val_loss=None)
             pending = None
         if reads_late:  # the update skips itself on the device if this step's numbers are not finite
-            inner.found_inf = (~torch.isfinite(numbers.check)).any().float()
+            inner.found_inf = (~torch.isfinite(numbers.on_device)).any().float()
         else:
             loss_value, norm_value = read_step(run, meters, numbers)  # one host-device sync per step
         with mark("optimizer"):
