@@ -108,22 +108,16 @@ class DataConfig:
     """Train on the response only: prompt tokens get no loss."""
 
     packing: bool = True
-    """Concatenate each micro-batch's samples into one row, attention kept within each sample: the same samples and
-    loss as padding to the longest, without computing the padding (typically a third to a half of the positions)."""
+    """Pack a micro-batch's samples into one row, attention kept within each sample: no compute on padding."""
 
     pack_steps: bool = True
-    """With packing: fill micro-batches by positions, not samples. Each step's samples go into as few micro-batches
-    of data.pack_capacity positions as fit: the same samples and update per step, fewer and fuller passes at the same
-    peak memory. false: micro_batch_size samples per micro-batch."""
+    """With packing: fill micro-batches by positions (data.pack_capacity), not a count of samples."""
 
     pack_capacity: Optional[int] = None
-    """Positions per micro-batch under data.pack_steps (null: micro_batch_size x max_seq_length). Sets peak activation
-    memory apart from the sample count; at least data.max_seq_length."""
+    """Positions per micro-batch under pack_steps (null: micro_batch_size x max_seq_length)."""
 
     fit_steps: bool = True
-    """Under data.pack_steps: swap a step's longest sample with a nearby later one where that makes the step fit its
-    micro-batches (every sample still once per epoch), so no step runs a second, short pass. false: the plain
-    shuffled order."""
+    """Under pack_steps: reorder nearby samples so each step fits its micro-batches (no short extra pass)."""
 
     num_workers: int = 2
     """DataLoader worker processes (0 = load in the training process)."""
@@ -134,91 +128,70 @@ class TrainConfig:
     """Batch arithmetic, schedule and the training loop's switches."""
 
     global_batch_size: int = 16
-    """Samples per optimizer step, summed over devices. gradient accumulation =
-    global_batch_size / (micro_batch_size x devices), which must be a whole number."""
+    """Samples per optimizer step over all devices (accumulation derived)."""
 
     micro_batch_size: int = 4
-    """Samples per forward/backward pass on each device. Activation memory grows linearly with it."""
+    """Samples per forward/backward pass on each device (activation memory)."""
 
     epochs: int = 1
     """Passes over the training set."""
 
     max_steps: Optional[int] = None
-    """Stop after this many optimizer steps (even within the first epoch). Unset: run all epochs."""
+    """Stop after this many optimizer steps (unset: all epochs)."""
 
     warmup_steps: int = 100
-    """Optimizer steps of linear learning-rate warm-up from 0 (capped at the run's total steps)."""
+    """Steps of linear learning-rate warm-up from 0."""
 
     lr_schedule: Literal["cosine", "constant", "linear"] = "cosine"
-    """Learning rate after warm-up: cosine or linear decay to min_lr_ratio x lr, or constant."""
+    """After warm-up: decay to min_lr_ratio x lr, or constant."""
 
     min_lr_ratio: float = 0.0
-    """Final learning rate as a fraction of the optimizer's lr (cosine and linear schedules)."""
+    """Final lr as a fraction of the optimizer's lr (cosine, linear)."""
 
     max_grad_norm: Optional[float] = 1.0
-    """Clip the global gradient norm to this value before each step. Unset: no clipping."""
+    """Gradient norm clipping threshold (unset: none)."""
 
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in the backward pass: activation memory drops to about one
-    block's worth plus the block inputs, for ~30% more compute."""
+    """Recompute blocks in backward: less memory, ~30% more compute."""
 
     save_interval: Optional[int] = None
-    """Write a checkpoint every this many optimizer steps (out_dir/checkpoints/step-N, committed atomically), so
-    `--resume auto` can continue an interrupted run exactly. Unset: only the final weights are written."""
+    """Checkpoint every N steps, for --resume (unset: final weights only)."""
 
     keep_last_n: int = 2
-    """Committed checkpoints to keep; an older one is deleted only after its successor is committed."""
+    """Committed checkpoints to keep (the oldest goes after a commit)."""
 
     compile: Literal["auto", "always", "never"] = "auto"
-    """torch.compile each transformer block (one graph for every block and row length). 'auto': eager on the CPU and
-    where litft's Triton kernels run (they measured faster); compiled on CUDA without CUDA graphs, or with them when
-    the planned work repays the compile time. The run's speed line says what was decided and why."""
+    """torch.compile blocks; auto: where it pays (the speed line says why)."""
 
     cuda_graphs: Literal["auto", "always", "never"] = "auto"
-    """Replay each micro-batch's forward and backward as one CUDA graph, so the host launches one graph instead of
-    thousands of kernels (what limits small models); rows are padded to a few fixed widths, one capture each. 'auto':
-    on for a single CUDA device; off on the CPU and with DDP (its all-reduce runs inside backward)."""
+    """Replay micro-steps as CUDA graphs; auto: on one CUDA device."""
 
     fast_lora: bool = True
-    """LoRA layers as plain matmuls: the scale on the r-wide product, B's output added by its matmul in place, one
-    block-diagonal matmul for q, k, v. The same function as LitGPT's layers; false runs LitGPT's."""
+    """LoRA layers as plain matmuls; false: LitGPT's layers."""
 
     fused_rms_norm: bool = True
-    """RMSNorm as torch's fused rms_norm (one kernel each way on CUDA; keeps the 16-bit input and an fp32 scale per
-    row, where LitGPT's keeps fp32 copies). The same arithmetic; false runs LitGPT's norm."""
+    """torch's fused rms_norm; false: LitGPT's RMSNorm."""
 
     fast_attention: bool = True
-    """Llama-style attention with RoPE on q and k as one function and grouped k, v heads passed to the kernel as they
-    are (LitGPT's copies them to every query head). The same function; false runs LitGPT's forward."""
+    """Llama attention, one RoPE, grouped k/v kept; false: LitGPT's."""
 
     lean_swiglu: bool = True
-    """The LLaMA MLP's silu(fc_1(x)) recomputed in the backward pass rather than kept: one tensor of intermediate_size
-    per token and block less, for one elementwise pass more. false: LitGPT's MLP forward."""
+    """Recompute SwiGLU's silu in backward; false: LitGPT's MLP."""
 
     lean_mixed_linear: bool = True
-    """With -mixed precision: linear layers keep the fp32 weight for the backward pass and cast it again there, instead
-    of keeping autocast's 16-bit copy of every weight (2 bytes per weight less at the peak, a few % more step time).
-    The same arithmetic; false: autocast's own linear."""
+    """-mixed: recast weights in backward, no kept 16-bit copies."""
 
     grad_into_weights: bool = True
-    """The backward matmuls add weight gradients (full fine-tune) or adapter gradients (LoRA) into .grad themselves,
-    sparing a kernel per weight and micro-batch. One device, -true precision, eager blocks (DDP hooks autograd's add,
-    dynamo cannot trace a backward that writes .grad). false: autograd's accumulation."""
+    """Backward matmuls add into .grad (one device, -true, eager)."""
 
     triton_kernels: bool = True
-    """litft's Triton kernels on CUDA: SwiGLU, RoPE with the qkv split, the residual add fused into RMSNorm, LoRA's
-    dropout and whole LoRA layers, the loss's cross-entropy, AdamW's step (litft.kernels). The same arithmetic
-    (dropout: the same distribution, not torch's draws); false: torch's ops. docs/speed.md lists what each is worth."""
+    """litft's Triton kernels on CUDA (docs/speed.md); false: torch ops."""
 
     attention_kernel: Literal["auto", "flash", "triton"] = "auto"
-    """Packed rows' attention with triton_kernels on CUDA: 'auto' litft's Triton kernels where measured faster (grouped
-    k/v heads of 64, TinyLlama's), flash attention elsewhere; 'flash' flash attention everywhere; 'triton' wherever
-    the kernels take the shape (to measure other models)."""
+    """Packed attention: auto, flash, or triton (any shape)."""
 
     loss_chunk: int = 4096
-    """Positions per output-layer chunk in the loss, each chunk's logits recomputed in the backward pass, so the
-    (tokens x vocabulary) logits never exist at once; 0: the whole micro-batch. A chunk holds 2 bytes per logit with
-    the Triton loss (4,096 x 32,000 x 2 B = 0.24 GiB), ~12 with torch's (set 1024 if memory is tight there)."""
+    """Positions per loss chunk, recomputed in backward; 0: all at once."""
 
 
 @dataclass

@@ -17,7 +17,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
-    """Every contradiction in the recipe, as 'dotted.key: what is wrong and what to do'. Empty list: valid."""
+    """Every contradiction in the recipe, as 'dotted.key: what is wrong and what to do'. Empty list: valid.
+    ``check_paths``: also that the files it names are there."""
+    return _value_problems(recipe) + _method_problems(recipe) + _model_problems(recipe, check_paths)
+
+
+def _value_problems(recipe: Recipe) -> list[str]:
+    """Values out of range, and the batch arithmetic."""
     problems: list[str] = []
     t, d = recipe.train, recipe.data
 
@@ -80,8 +86,12 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
     lr = recipe.optimizer.init_args.get("lr")
     if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
         problems.append(f"optimizer.init_args.lr: must be a positive number, got {lr!r}")
+    return problems
 
-    # Methods, quantization and precision
+
+def _method_problems(recipe: Recipe) -> list[str]:
+    """LoRA's shape, and QLoRA's quantization and precision."""
+    problems: list[str] = []
     if recipe.method in ("lora", "qlora"):
         lo = recipe.lora
         if lo.r < 1:
@@ -107,9 +117,13 @@ def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
             f"quantize: {recipe.quantize} applies to method qlora only (frozen 4-bit weights under LoRA adapters);"
             f" method is {recipe.method}. Set method: qlora, or quantize: null"
         )
+    return problems
 
-    # Model files
-    m = recipe.model
+
+def _model_problems(recipe: Recipe, check_paths: bool) -> list[str]:
+    """The model's name and files, the tokenizer's, and (``check_paths``) the data files."""
+    problems: list[str] = []
+    m, d = recipe.model, recipe.data
     if recipe.init == "random" and m.name is None and m.checkpoint_dir is None:
         problems.append("model.name: init random needs an architecture name, e.g. tiny-llama-1.1b or open_llama_7b")
     if m.name is not None:
