@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from litft.strategy import build_fabric
 from litft.train import setup
 from litft.train.engines import GraphedMicroSteps, PlainMicroStep, model_inputs
 from litft.train.optim import build_optimizer, build_scheduler, clip_gradients, optimizer_summary
-from litft.train.profiling import StepProfiler, compile_stats
+from litft.train.profiling import StepProfiler, compile_stats, no_range
 from litft.train.result import Phases, RunResult, batch_line, build_result, memory_result, out_of_memory
 from litft.train.state import Losses, LoopState, micro_batches, restore, save_training_state
 
@@ -358,7 +357,8 @@ def fit(run: Run, micro_step, meters: Meters) -> None:
     fabric, recipe, state = run.fabric, run.recipe, run.state
     reads_late = run.plan.step_scales
     batches = micro_batches(run.train_loader, run.train_sampler, recipe.train.epochs, state, resumed=state.step > 0)
-    mark = nvtx_range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
+    # logging.nvtx: forward+backward and optimizer as named ranges in an Nsight Systems capture
+    mark = torch.cuda.nvtx.range if recipe.logging.nvtx and fabric.device.type == "cuda" else no_range
     pending: StepNumbers | None = None  # a step whose numbers are not read yet
     inner = getattr(run.optimizer, "optimizer", run.optimizer)  # Fabric wraps the torch optimizer (found_inf)
     meters.progress.start()
@@ -495,15 +495,3 @@ def log_step(run: Run, meters: Meters, numbers: StepNumbers, loss_value: float, 
         meters.writer.write(row)
     meters.progress.update(step, loss_value, recent["tokens_per_sec"], mem["peak_reserved_gib"], row["lr"])
 
-
-@contextmanager
-def nvtx_range(name: str):
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()
-
-
-def no_range(name: str):
-    return nullcontext()
