@@ -1,5 +1,5 @@
 """The `litft` command: thin wrappers over the library. Every failure prints one message and exits with the code of
-its kind (DESIGN.md): 2 config/usage, 3 non-finite loss, 4 out of memory, 5 data, 6 checkpoint/IO, 1 internal."""
+its kind (docs/design.md): 2 config/usage, 3 non-finite loss, 4 out of memory, 5 data, 6 checkpoint/IO, 1 internal."""
 
 from __future__ import annotations
 

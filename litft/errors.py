@@ -1,4 +1,4 @@
-"""The errors litft raises on purpose, each with its exit code (DESIGN.md).
+"""The errors litft raises on purpose, each with its exit code (docs/design.md).
 
 Every one carries a message that says what failed, where (file/line, dotted key, step, rank) and what to try.
 The CLI prints that message and exits with ``exit_code``; Python users catch the class.

@@ -9,9 +9,9 @@ outputs once, in fp32 arithmetic rounded once to the output dtype. One module a 
 - cross_entropy: the loss's cross-entropy on 16-bit logits: torch's makes fp32 copies of the logits each way;
 - seeded_dropout: LoRA's dropout, its mask drawn again from a seed in the backward pass instead of kept (1 byte per
   element);
-- lora_a: LoRA's A side with its dropout (model.FusedLoRA): x @ A^T with the mask drawn as x is read, and backward
+- lora_a: LoRA's A side with its dropout (layers.lora_fused.FusedLoRA): x @ A^T with the mask drawn as x is read, and backward
   A's gradient and the adapter's input gradient added into the frozen layer's, in one pass over x each way;
-- swiglu_lora: a LoRA MLP's middle (model.FusedLoRAMLP): fc_1's and fc_2's B adds, the SwiGLU and proj's A side in
+- swiglu_lora: a LoRA MLP's middle (layers.lora_fused.FusedLoRAMLP): fc_1's and fc_2's B adds, the SwiGLU and proj's A side in
   one kernel each way, with the B gradients and proj's A gradient summed in the backward one;
 - lora_b: a qkv layer's LoRA B side, every adapted part (q, k, v) in one launch forward and two backward, where
   cuBLAS runs one matmul per part forward and two backward;

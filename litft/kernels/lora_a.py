@@ -1,4 +1,4 @@
-"""LoRA's A side with its dropout (model.FusedLoRA, model.FusedLoRAPair): x @ A^T with the mask (lora_mask) drawn as
+"""LoRA's A side with its dropout (layers.lora_fused.FusedLoRA, layers.lora_fused.FusedLoRAPair): x @ A^T with the mask (lora_mask) drawn as
 x is read, and backward A's gradient and the adapter's input gradient added into the frozen layer's, in one pass
 over x each way, where the dropout kernel, cuBLAS and autograd's add of the input gradients read and write x several
 times. Two adapters of one input (LLaMA's fc_1 and fc_2) take one read of it."""

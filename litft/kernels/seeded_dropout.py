@@ -1,5 +1,5 @@
 """Dropout whose mask is drawn again from a seed in the backward pass instead of kept (1 byte per element): Philox
-random numbers of the seed and each element's index (model.SeededDropout, LoRA's dropout where the fused LoRA
+random numbers of the seed and each element's index (layers.lora.SeededDropout, LoRA's dropout where the fused LoRA
 layers do not take it)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A LoRA LLaMA MLP's middle (model.FusedLoRAMLP): fc_1's and fc_2's B adds, the SwiGLU and proj's A side with its
+"""A LoRA LLaMA MLP's middle (layers.lora_fused.FusedLoRAMLP): fc_1's and fc_2's B adds, the SwiGLU and proj's A side with its
 dropout in one kernel each way, the backward kernel also summing proj's A gradient and fc_1's and fc_2's B
 gradients, all from one read of the (rows x intermediate) tensors."""
 
@@ -10,7 +10,7 @@ from litft.kernels import _lora_precision, _next_power_of_2, _sm_count, tl, trit
 from litft.kernels.lora_mask import _lora_check_counters, _lora_p16
 from litft.kernels.splits import _add_partials, _column_splits, _row_splits
 
-# model.FusedLoRAMLP runs a LoRA MLP whose fc_1, fc_2 and proj are all adapted around these two kernels. Around the
+# layers.lora_fused.FusedLoRAMLP runs a LoRA MLP whose fc_1, fc_2 and proj are all adapted around these two kernels. Around the
 # SwiGLU between the layers, the adapters' own passes over the (rows x intermediate) tensors are the costliest part
 # of a LoRA step (measured on an H100: the MLP's adapters took 10.6 of the 13.7 ms that the adapters add to a
 # TinyLlama step): fc_1's and fc_2's B matmuls read and write gate and up to add into them; proj's A side reads SwiGLU's
@@ -160,7 +160,7 @@ if triton is not None:
 # A-side kernels it replaces took ~65 us (plus two cuBLAS B adds). At least 8 programs per SM (~1,056 on the H100)
 # keeps more tiles in flight: TinyLlama's 4,096 rows take 5 splits (the sweep: 2 and 4 splits within 2% of each
 # other; a whole step measured 3.8% faster than at 2 splits), 7B's 9 (the 7B step still 2.0% slower than the layers
-# apart, so model.FUSED_LORA_MLP_MAX_INTERMEDIATE keeps the 7B on them).
+# apart, so plan.FUSED_LORA_MLP_MAX_INTERMEDIATE keeps the 7B on them).
 def _swiglu_lora_forward_launch(k: int) -> dict:
     return dict(block_m=16, block_k=64, num_warps=4, programs_per_sm=8)
 

@@ -1,5 +1,5 @@
 """Causal attention within the segments of packed rows, grouped k/v heads, forward and backward in Triton: the
-contract of model.GroupedFlashAttention (q (N, heads, D), k and v (N, groups, D), cu_seqlens, max_length).
+contract of layers.attention.GroupedFlashAttention (q (N, heads, D), k and v (N, groups, D), cu_seqlens, max_length).
 
 Tiles. Every program works on fixed tiles of positions, never on segments: the grids depend on N, the head counts
 and the tile sizes only, so one CUDA graph serves any cu_seqlens (no host syncs, no value-dependent launches). A
@@ -381,7 +381,7 @@ def _precision(q: torch.Tensor) -> str:
 
 class VarlenGQAAttention(torch.autograd.Function):
     """Causal attention of q (N, heads, D) over k, v (N, groups, D) within each cu_seqlens segment of a packed row,
-    query head h reading group h // (heads // groups); model.GroupedFlashAttention's contract, in Triton kernels
+    query head h reading group h // (heads // groups); layers.attention.GroupedFlashAttention's contract, in Triton kernels
     (see the module docstring). cu_seqlens: int32 (segments + 1,) on q's device, trailing entries may repeat N.
     max_length: the caller's bound on segment lengths; queries further into a longer segment get 0. CUDA-graph safe:
     no host syncs, grids fixed by the shapes. Raises ValueError for shapes it does not take (head sizes outside
