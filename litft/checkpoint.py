@@ -36,6 +36,7 @@ import yaml
 
 from litft.errors import CheckpointError, ConfigError
 from litft.files import fsync_dir, fsync_file, torch_save_atomic
+from litft.metrics import GIB
 from litft.model import lora_kwargs
 from litft.recipe import Recipe, config_hash, recipe_to_dict, recipe_to_yaml, resolve_path
 
@@ -93,8 +94,8 @@ def save_checkpoint(out_dir: Path, recipe: Recipe, step: int, trainable: dict, o
     free = shutil.disk_usage(root).free
     if needed > free:
         raise CheckpointError(
-            f"not enough disk space for the step-{step} checkpoint in '{root}': it needs about {needed / 2**30:.2f}"
-            f" GiB, {free / 2**30:.2f} GiB are free. The previous checkpoints are untouched; free space or set"
+            f"not enough disk space for the step-{step} checkpoint in '{root}': it needs about {needed / GIB:.2f}"
+            f" GiB, {free / GIB:.2f} GiB are free. The previous checkpoints are untouched; free space or set"
             " train.keep_last_n lower"
         )
     final = root / f"step-{step:06d}"

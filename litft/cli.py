@@ -150,7 +150,9 @@ def cmd_estimate(args: list[str]) -> int:
     elif recipe.memory_cap is not None:
         import torch
 
-        total = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+        from litft.metrics import GIB
+
+        total = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
         budget = parse_memory_cap(recipe.memory_cap, total)
     try:
         est = estimate_memory(recipe, sharding=sharding, offload=offload)
