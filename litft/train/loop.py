@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from litft import metrics, plan as planning
+from litft.checkpoint import save_final
 from litft.errors import ConfigError, LitftError, NonFiniteLossError
 from litft.files import write_json_atomic
 from litft.model import CausalLM, fast_path_problems, model_config
@@ -210,8 +211,6 @@ def train(run: Run, checkpoint: dict | None, worst_case) -> RunResult:
                 losses.val_final = evaluate(fabric, run.model, run.val_loader, None)
             progress.print(f"val loss after training: {losses.val_final:.4f}")
         with run.phases("save"):
-            from litft.checkpoint import save_final
-
             save_final(fabric, recipe, run.config, run.gpt, run.out_dir)
         status = "ok"
     except torch.OutOfMemoryError as err:
