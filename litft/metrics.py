@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-GIB = 2**30
+from litft.units import GIB
 
 DEFINITIONS = {
     "tokens_real": "non-padding input positions trained on (all ranks)",
