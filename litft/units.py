@@ -25,7 +25,7 @@ def params(n: int | float) -> str:
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(n) >= scale:
             value = n / scale
-            return f"{value:.3g}{unit}" if value < 100 else f"{value:,.0f}{unit}"
+            return f"{value:#.3g}{unit}" if value < 100 else f"{value:,.0f}{unit}"
     return f"{n:,.0f}"
 
 
