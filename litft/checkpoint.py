@@ -149,10 +149,7 @@ def find_resume_checkpoint(out_dir: Path, resume: str) -> Path:
     if resume == "auto":
         committed = committed_checkpoints(out_dir)
         if not committed:
-            raise ConfigError(
-                f"resume: auto found no committed checkpoint in '{checkpoints_dir(out_dir)}'; set"
-                " train.save_interval to write checkpoints, or start without --resume"
-            )
+            raise ConfigError(f"resume: auto found no committed checkpoint in '{checkpoints_dir(out_dir)}'")
         return committed[-1]
     path = Path(resume)
     if not path.is_dir():

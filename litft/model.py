@@ -166,7 +166,17 @@ def load_weights(model: torch.nn.Module, path: Path, lora: bool) -> None:
     except Exception as err:  # a truncated or foreign file: name it and the reason
         raise CheckpointError(f"cannot read '{path}': {type(err).__name__}: {err}") from None
     state = state.get("model", state)
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # torch lists every weight whose shape differs: the config describes another model
+        mismatches = [line.strip().rstrip(".") for line in str(err).splitlines() if "size mismatch" in line]
+        if not mismatches:
+            raise
+        raise CheckpointError(
+            f"'{path}' does not match the model built from model_config.yaml: {len(mismatches)} weights differ in"
+            f" shape (e.g. {mismatches[0]}); the model_config.yaml beside the weights (n_layer, n_embd, n_head,"
+            " intermediate_size, ...) must describe them: take both from the same `litgpt download`"
+        ) from None
     missing = [k for k in result.missing_keys if not (lora and "lora_" in k)]
     if missing or result.unexpected_keys:
         details = []
@@ -187,6 +197,21 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     )
 
     _apply(model, check_fn=lambda module: isinstance(module, Block))
+
+
+def architecture_problems(recipe: Recipe, config) -> list[str]:
+    """What keeps litft from training this architecture as the recipe asks, as 'key: what and what to do' lines:
+    checked before the data is read or the model is built."""
+    problems = []
+    unsupported = fast_path_problems(config)
+    if unsupported:  # litft's training forward repeats only what Llama-family models need from GPT.forward
+        problems.append(f"model: {config.name} uses {', '.join(unsupported)}, which litft's training forward does not"
+                        " implement; use a Llama-family model (TinyLlama, OpenLLaMA, Llama, ...)")
+    if recipe.data.max_seq_length > config.block_size:  # the rotary tables cover block_size positions
+        problems.append(f"data.max_seq_length: {recipe.data.max_seq_length} is above {config.name}'s block_size"
+                        f" {config.block_size}, the positions its rotary embedding covers; use at most"
+                        f" {config.block_size}")
+    return problems
 
 
 def fast_path_problems(config) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,10 @@ import torch
 # before any test module imports litft.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The memory ledger caches its traces under LITFT_CACHE (default ~/.cache/litft): the tests, and the litft processes
+# they start, use a cache of their own, so a test run never changes what the user's `litft ls` shows.
+os.environ["LITFT_CACHE"] = tempfile.mkdtemp(prefix="litft-test-cache-")
 
 # A few sentences in the style of the instruction data, enough for BPE to learn merges for common words.
 _TOKENIZER_CORPUS = [

@@ -12,7 +12,7 @@ def _finetune(out_dir, *overrides: str) -> list[dict]:
                "--train.max_steps", "4", "--train.global_batch_size", "16", "--eval.initial", "false",
                "--eval.interval", "0", "--logging.progress", "plain", "--logging.interval", "1", "--logging.tensorboard", "false",
                "--data.num_workers", "0", "--out_dir", str(out_dir), *overrides]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 

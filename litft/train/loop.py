@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from litft import metrics, plan as planning
-from litft.checkpoint import save_final
+from litft.checkpoint import committed_checkpoints, save_final
 from litft.errors import ConfigError, LitftError, NonFiniteLossError
 from litft.files import write_json_atomic
-from litft.model import CausalLM, fast_path_problems, model_config
+from litft.model import CausalLM, architecture_problems, model_config
 from litft.progress import Progress, print_summary
-from litft.recipe import Recipe, resolve_path, validate
+from litft.recipe import Recipe, config_hash, load_recipe, resolve_path, validate
 from litft.strategy import build_fabric
 from litft.train import setup
 from litft.train.engines import GraphedMicroSteps, PlainMicroStep, model_inputs
@@ -40,6 +40,12 @@ def finetune(recipe: Recipe, overwrite: bool = False, resume: str | None = None)
     if problems:
         raise ConfigError(problems)
     out_dir = resolve_path(recipe.out_dir)
+    if resume == "auto" and not committed_checkpoints(out_dir):
+        # LitGPT's meaning of auto: the newest committed checkpoint if there is one, else the run from its start; an
+        # out_dir that holds this recipe's own run (interrupted before its first checkpoint) is this run's to restart
+        overwrite = overwrite or holds_this_run(out_dir, recipe)
+        print(f"resume auto: no committed checkpoint in '{out_dir}'; starting the run from the beginning")
+        resume = None
     if resume is None:
         check_out_dir(out_dir, overwrite)
     fabric = build_fabric(recipe)
@@ -80,6 +86,17 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
             )
 
 
+def holds_this_run(out_dir: Path, recipe: Recipe) -> bool:
+    """Whether out_dir's config.yaml is this recipe (the same config hash: out_dir and logging aside)."""
+    saved = out_dir / "config.yaml"
+    if not saved.is_file():
+        return False
+    try:
+        return config_hash(load_recipe(saved, validate_paths=False)) == config_hash(recipe)
+    except LitftError:  # not a recipe litft can read: another run's, or damaged
+        return False
+
+
 @dataclass
 class Run:
     """What main() builds and train() and fit() use: the run's parts and its state, in one place."""
@@ -118,26 +135,28 @@ def unwrap(model) -> torch.nn.Module:
 
 
 def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
+    # Everything that can be checked before the model is built is checked first: a bad setting costs seconds
     phases = Phases()
     out_dir = resolve_path(recipe.out_dir)
+    config = model_config(recipe)
+    problems = architecture_problems(recipe, config)
+    if problems:
+        raise ConfigError(problems)
     with phases("load"):
         data = setup.load_data(recipe)
     checkpoint = setup.load_resume(fabric, recipe, out_dir, resume) if resume is not None else None
+    cuda = fabric.device.type == "cuda"
+    plan = planning.resolve(recipe, config, fabric.device.type, fabric.world_size, data_stats=data.train.stats,
+                            device_name=torch.cuda.get_device_name(fabric.device) if cuda else None)
+    train_sampler, val_sampler = setup.make_samplers(fabric, recipe, plan, data)
+    micro_batches_per_epoch = len(train_sampler) * plan.loader_batch_size // recipe.train.micro_batch_size
+    total_steps = planning.planned_steps(recipe, micro_batches_per_epoch)
     if fabric.global_rank == 0:
         setup.start_out_dir(out_dir, recipe, checkpoint)
     fabric.print(f"litft: {recipe.method} fine-tune, {recipe.init} weights, precision {recipe.precision},"
                  f" out_dir {out_dir}")
     for line in data.describe():
         fabric.print(f"data {line}")
-
-    config = model_config(recipe)
-    unsupported = fast_path_problems(config)
-    if unsupported:  # litft's training forward repeats only what Llama-family models need from GPT.forward
-        raise ConfigError(f"model: {config.name} uses {', '.join(unsupported)}, which litft's training forward does"
-                          " not implement; use a Llama-family model (TinyLlama, OpenLLaMA, Llama, ...)")
-    cuda = fabric.device.type == "cuda"
-    plan = planning.resolve(recipe, config, fabric.device.type, fabric.world_size, data_stats=data.train.stats,
-                            device_name=torch.cuda.get_device_name(fabric.device) if cuda else None)
     fabric.print(f"batch: {batch_line(recipe, plan)}")
     for note in plan.notes:
         fabric.print(f"speed: {note}")
@@ -155,9 +174,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
         model, counts = setup.setup_model(fabric, recipe, plan, config)
         fabric.print(f"speed: {plan.speed_line()}")
         optimizer = fabric.setup_optimizers(build_optimizer(recipe, model, plan))
-        train_loader, train_sampler, val_loader = setup.setup_loaders(fabric, recipe, plan, data)
-        micro_batches_per_epoch = len(train_sampler) * plan.loader_batch_size // recipe.train.micro_batch_size
-        total_steps = planning.planned_steps(recipe, micro_batches_per_epoch)
+        train_loader, val_loader = setup.setup_loaders(fabric, recipe, plan, data, train_sampler, val_sampler)
         scheduler = build_scheduler(recipe, optimizer, total_steps)
     run = Run(fabric, recipe, plan, config, data, out_dir, phases, model, counts, optimizer, scheduler,
               train_loader, train_sampler, val_loader, total_steps)
@@ -196,7 +213,7 @@ def train(run: Run, checkpoint: dict | None, worst_case) -> RunResult:
         if plan.cuda_graphs:  # warm-up and capture run the largest micro-batch: inside the try (out of memory: exit 4)
             with run.phases("warmup"):  # CUDA graphs' warm-up and capture, with the compiles they set off
                 micro_step.prepare(stand_in_batches(run))
-        if recipe.eval.initial:
+        if recipe.eval.initial and checkpoint is None:  # a resumed run keeps the val loss its run started from
             with run.phases("eval"):
                 losses.val_initial = evaluate(fabric, run.model, run.val_loader, recipe.eval.max_batches)
             progress.print(f"val loss before training: {losses.val_initial:.4f}")

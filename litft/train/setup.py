@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from litft import metrics
-from litft.errors import ConfigError
+from litft.errors import ConfigError, DataError
 from litft.model import (
     CausalLM,
     apply_activation_checkpointing,
@@ -124,21 +124,34 @@ def setup_model(fabric, recipe: Recipe, plan: Plan, config):
     return model, counts
 
 
-def setup_loaders(fabric, recipe: Recipe, plan: Plan, data):
-    """The training and validation loaders and the training sampler. Under data.pack_steps the sampler hands out a
-    step's samples at once (the same samples per step, in the same order, as grad_accum micro-batches of
-    micro_batch_size) and the collate packs them into micro-batches."""
-    from litft.data import EpochBatchSampler, build_dataloader
+def make_samplers(fabric, recipe: Recipe, plan: Plan, data):
+    """The training and validation samplers, before the model is built: a data set too small for the batch setup
+    fails here in seconds, naming the split. Under data.pack_steps the training sampler hands out a step's samples
+    at once (the same samples per step, in the same order, as grad_accum micro-batches of micro_batch_size) and the
+    collate packs them into micro-batches."""
+    from litft.data import EpochBatchSampler
 
-    train_sampler = EpochBatchSampler(
-        data.train.lengths, plan.loader_batch_size, shuffle=True, seed=recipe.seed,
-        rank=fabric.global_rank, world_size=fabric.world_size, drop_last=True,
-        fit_capacity=plan.step_capacity if plan.fit_steps else None,
-    )
-    val_sampler = EpochBatchSampler(
-        len(data.val), recipe.train.micro_batch_size, shuffle=False, seed=recipe.seed,
-        rank=fabric.global_rank, world_size=fabric.world_size, drop_last=False,
-    )
+    def sampler(dataset, name: str, **kwargs):
+        try:
+            return EpochBatchSampler(seed=recipe.seed, rank=fabric.global_rank, world_size=fabric.world_size,
+                                     **kwargs)
+        except DataError as err:
+            source = data.train_source if name == "training" else data.val_source
+            if name == "training" and recipe.data.val_path is None:  # what the split left for training
+                source += f", less {data.val_source}"
+            raise DataError(f"the {name} set ({len(dataset):,} samples: {source}) is too small: {err}") from None
+
+    train = sampler(data.train, "training", lengths_or_n=data.train.lengths, micro_batch_size=plan.loader_batch_size,
+                    shuffle=True, drop_last=True, fit_capacity=plan.step_capacity if plan.fit_steps else None)
+    val = sampler(data.val, "validation", lengths_or_n=len(data.val), micro_batch_size=recipe.train.micro_batch_size,
+                  shuffle=False, drop_last=False)
+    return train, val
+
+
+def setup_loaders(fabric, recipe: Recipe, plan: Plan, data, train_sampler, val_sampler):
+    """The training and validation loaders over the samplers (make_samplers)."""
+    from litft.data import build_dataloader
+
     # The samplers already give each rank its share, so Fabric must not add a DistributedSampler.
     train_loader, val_loader = fabric.setup_dataloaders(
         build_dataloader(data.train, train_sampler, data.pad_id, recipe.data.num_workers, plan.packing,
@@ -147,4 +160,4 @@ def setup_loaders(fabric, recipe: Recipe, plan: Plan, data):
         use_distributed_sampler=False,
         move_to_device=False,  # the loop moves the two tensors itself; the counts stay plain ints
     )
-    return train_loader, train_sampler, val_loader
+    return train_loader, val_loader
