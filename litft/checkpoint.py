@@ -35,8 +35,14 @@ import torch
 import yaml
 
 from litft.errors import CheckpointError, ConfigError
-from litft.files import fsync_dir, fsync_file, torch_save_atomic
-from litft.metrics import GIB
+from litft.files import (
+    check_free_space,
+    make_dir,
+    torch_save,
+    torch_save_atomic,
+    write_dir_atomic,
+    writing,
+)
 from litft.model import lora_kwargs
 from litft.recipe import Recipe, config_hash, recipe_to_dict, recipe_to_yaml, resolve_path
 
@@ -89,45 +95,29 @@ def save_checkpoint(out_dir: Path, recipe: Recipe, step: int, trainable: dict, o
                     keep_last_n: int) -> Path:
     """Write a committed checkpoint for `step` (rank 0 only), then drop checkpoints beyond keep_last_n."""
     root = checkpoints_dir(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root, "the checkpoints folder")
+    what = f"the step-{step} checkpoint"
     needed = _tensor_bytes(trainable) + _tensor_bytes(optimizer) + (1 << 20)
-    free = shutil.disk_usage(root).free
-    if needed > free:
-        raise CheckpointError(
-            f"not enough disk space for the step-{step} checkpoint in '{root}': it needs about {needed / GIB:.2f}"
-            f" GiB, {free / GIB:.2f} GiB are free. The previous checkpoints are untouched; free space or set"
-            " train.keep_last_n lower"
-        )
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        torch.save(trainable, tmp / "trainable.pth")
-        torch.save(optimizer, tmp / "optimizer.pth")
-        torch.save(state, tmp / "state.pth")
+    check_free_space(root, needed, what, "The previous checkpoints are untouched; free space or set"
+                     " train.keep_last_n lower")
+
+    def write(tmp: Path) -> None:
+        torch_save(trainable, tmp / "trainable.pth")
+        torch_save(optimizer, tmp / "optimizer.pth")
+        torch_save(state, tmp / "state.pth")
         (tmp / "config.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
         delay = float(os.environ.get("LITFT_TEST_SAVE_DELAY", "0"))  # tests kill a run inside this window
         if delay:
             time.sleep(delay)
-        files = {}
-        for name in FILES:
-            fsync_file(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in FILES}
         import litft
 
         commit = {"step": step, "config_hash": config_hash(recipe), "litft": litft.__version__, "files": files}
         (tmp / COMMIT).write_text(json.dumps(commit, indent=2), encoding="utf-8")
-        fsync_file(tmp / COMMIT)
-        if final.exists():  # a committed checkpoint of the same step (a rerun): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"could not write the step-{step} checkpoint in '{root}': {err.strerror or err}. The previous"
-            " checkpoints are untouched"
-        ) from None
+
+    final = root / f"step-{step:06d}"
+    write_dir_atomic(final, write, what, tmp=root / f".tmp-step-{step:06d}-{uuid.uuid4().hex[:8]}",
+                     note="The previous checkpoints are untouched")
     for old in committed_checkpoints(out_dir)[:-max(1, keep_last_n)]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):  # leftovers of a killed save
@@ -238,23 +228,66 @@ def resume_differences(saved: dict, recipe: Recipe) -> tuple[list[str], list[str
 
 def save_final(fabric, recipe: Recipe, config, gpt: torch.nn.Module, out_dir: Path) -> None:
     """out_dir/final: lit_model.pth (full) or lit_model.pth.lora (adapter), with the files LitGPT's tools need; with
-    recipe.merge, final/merged too. Each weights file is written whole or not at all."""
+    recipe.merge, final/merged too. A folder left by an earlier run is removed, then the disk's free space checked;
+    a failed save removes what it wrote: out_dir holds this run's final folder whole, or none."""
     final = out_dir / "final"
     is_lora = recipe.method in ("lora", "qlora")
     state = trainable_state_dict(gpt) if is_lora else gpt.state_dict()
     if fabric.global_rank == 0:
-        write_checkpoint_files(recipe, config, final)
-        name = "lit_model.pth.lora" if is_lora else "lit_model.pth"
-        torch_save_atomic(state, final / name)
-        if is_lora and recipe.merge:
-            base = resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth" if recipe.init == "pretrained" else None
-            if base is None:
-                fabric.print("merge: skipped, a random-init run has no base checkpoint on disk to merge into")
-            else:
-                merged = final / "merged"
-                write_checkpoint_files(recipe, config, merged)
-                merge_lora_checkpoint(base, final / name, config, merged / "lit_model.pth")
+        base = merge_base(recipe)
+        if is_lora and recipe.merge and base is None:
+            fabric.print("merge: skipped, a random-init run has no base checkpoint on disk to merge into")
+        with writing("the final weights", final):
+            if final.exists():
+                shutil.rmtree(final)
+        check_free_space(out_dir, final_bytes(recipe, _tensor_bytes(state)), "the final weights")
+        try:
+            write_checkpoint_files(recipe, config, final)
+            name = "lit_model.pth.lora" if is_lora else "lit_model.pth"
+            torch_save_atomic(state, final / name, "the final weights")
+            if base is not None:
+                write_checkpoint_files(recipe, config, final / "merged")
+                merge_lora_checkpoint(base, final / name, config, final / "merged" / "lit_model.pth")
+        except BaseException:
+            shutil.rmtree(final, ignore_errors=True)  # no weights without their files, no half of a merge
+            raise
     fabric.barrier()
+
+
+def merge_base(recipe: Recipe) -> Path | None:
+    """The base checkpoint a LoRA run's merge adds its adapters to; None without a merge, or for a random-init run
+    (no base on disk)."""
+    if recipe.method in ("lora", "qlora") and recipe.merge and recipe.init == "pretrained":
+        return resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth"
+    return None
+
+
+def final_bytes(recipe: Recipe, weights_bytes: int) -> int:
+    """What out_dir/final takes on disk, given its weights' size: the weights, the merged weights (the base
+    checkpoint's size), the tokenizer files in each folder, and 1 MiB for the small files."""
+    base = merge_base(recipe)
+    merged = base.stat().st_size if base is not None and base.is_file() else 0
+    tokenizer = sum(path.stat().st_size for path in _tokenizer_files(recipe))
+    return weights_bytes + merged + tokenizer * (2 if base is not None else 1) + (1 << 20)
+
+
+def final_weights_bytes(recipe: Recipe, config) -> int:
+    """final_bytes before the model is built, from its shapes alone (a model on the meta device: no memory, no
+    weights read). The weights save_final writes: full fine-tuning every tensor of the model, LoRA and QLoRA the
+    adapters only, at the bytes per parameter the precision stores (litft.precision)."""
+    from litft.precision import Precision
+
+    if recipe.method in ("lora", "qlora"):
+        from litgpt.lora import GPT
+    else:
+        from litgpt.model import GPT
+    with torch.device("meta"):
+        model = GPT(config)
+    state = model.state_dict()
+    if recipe.method in ("lora", "qlora"):
+        state = {k: v for k, v in state.items() if "lora_" in k}
+    numel = sum(v.numel() for v in state.values())
+    return final_bytes(recipe, numel * Precision(recipe.precision).param_bytes)
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -263,20 +296,21 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if getattr(v, "requires_grad", False)}
 
 
+def _tokenizer_files(recipe: Recipe) -> list[Path]:
+    """The tokenizer files the final folder carries, as found beside the model (or in model.tokenizer_dir)."""
+    source = resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir)
+    if source is None:
+        return []
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
+    return [source / name for name in names if (source / name).is_file()]
+
+
 def write_checkpoint_files(recipe: Recipe, config, target: Path) -> None:
     """model_config.yaml, tokenizer files, and litgpt's hyperparameters.yaml (so `litgpt merge_lora` and
     `litgpt chat` accept the folder too)."""
-    import shutil
-
     from litgpt.config import Config
 
-    target.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in dataclasses.asdict(config).items() if not k.startswith("lora_")}
-    (target / "model_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(Config(**base))))
-    source = resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"):
-        if source is not None and (source / name).is_file():
-            shutil.copy(source / name, target / name)
     hparams = {
         "checkpoint_dir": str(resolve_path(recipe.model.checkpoint_dir)) if recipe.model.checkpoint_dir else None,
         "precision": recipe.precision,
@@ -285,8 +319,13 @@ def write_checkpoint_files(recipe: Recipe, config, target: Path) -> None:
     }
     if recipe.method in ("lora", "qlora"):
         hparams.update(lora_kwargs(recipe))
-    (target / "hyperparameters.yaml").write_text(yaml.safe_dump(hparams))
-    (target / "prompt_style.yaml").write_text(yaml.safe_dump({"class_path": _prompt_style_class(recipe)}))
+    with writing("the model's config and tokenizer files", target):
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "model_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(Config(**base))))
+        for path in _tokenizer_files(recipe):
+            shutil.copy(path, target / path.name)
+        (target / "hyperparameters.yaml").write_text(yaml.safe_dump(hparams))
+        (target / "prompt_style.yaml").write_text(yaml.safe_dump({"class_path": _prompt_style_class(recipe)}))
 
 
 def _prompt_style_class(recipe: Recipe) -> str:
@@ -317,6 +356,6 @@ def merge_lora_checkpoint(base_checkpoint: Path, adapter_path: Path, config, out
     merge_lora_weights(model)
     merged = {k.replace("linear.", ""): v for k, v in model.state_dict().items() if not lora_filter(k, v)}
     merged = {k: v for k, v in merged.items() if k not in ("cos", "sin")}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    torch_save_atomic(merged, out_path)
+    make_dir(out_path.parent, "the merged weights' folder")
+    torch_save_atomic(merged, out_path, "the merged weights")
 

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from litft.files import WriteError, writing
 from litft.units import GIB
 
 DEFINITIONS = {
@@ -290,30 +293,72 @@ def host_peak_rss_gib() -> float:
 
 
 class MetricsWriter:
-    """One JSON object per logged step in out_dir/metrics.jsonl, and the same scalars in TensorBoard."""
+    """One JSON object per logged step in out_dir/metrics.jsonl, and the same scalars in TensorBoard.
+
+    A write that fails raises WriteError (exit 6, litft.files) naming the file; the writer then closes both quietly
+    (close() has nothing left to do) and cuts metrics.jsonl back to its last whole row, so a resumed run or a
+    report reads whole rows only."""
 
     def __init__(self, out_dir: Path, tensorboard: bool) -> None:
         self.path = out_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = None
+        self.tensorboard_dir = out_dir / "tensorboard"
+        self._file = self._tb = None
+        with writing("the metrics log", self.path):
+            self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+            with self._writing_tensorboard():
+                self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
 
     def write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _json_number(v) for k, v in row.items()}) + "\n")
-        self._file.flush()
+        whole = self._file.tell()
+        try:
+            with writing("the metrics log", self.path):
+                self._file.write(json.dumps({k: _json_number(v) for k, v in row.items()}) + "\n")
+                self._file.flush()
+        except WriteError:
+            self._abandon()
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, whole)
+            raise
         if self._tb is not None:
-            step = row["step"]
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            with self._writing_tensorboard():
+                step = row["step"]
+                for key, value in row.items():
+                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                        self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        file, tb = self._file, self._tb
+        self._file = self._tb = None
+        try:
+            if file is not None:
+                with writing("the metrics log", self.path):
+                    file.close()
+        finally:
+            if tb is not None:
+                with self._writing_tensorboard():
+                    tb.close()
+
+    @contextlib.contextmanager
+    def _writing_tensorboard(self):
+        """TensorBoard writes from a thread of its own: its failures surface at the next add, flush or close."""
+        try:
+            with writing("the TensorBoard log", self.tensorboard_dir,
+                         note="TensorBoard is optional: logging.tensorboard false turns it off"):
+                yield
+        except WriteError:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """After a failed write: close both, ignoring what else fails (the first failure is the one reported)."""
+        for handle in (self._file, self._tb):
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.close()
+        self._file = self._tb = None
 
 
 def _json_number(value: Any) -> Any:

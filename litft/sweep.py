@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from litft.errors import ConfigError
+from litft.files import make_dir, write_text_atomic, writing
 
 OUT_OF_MEMORY_EXIT = 4  # litft finetune's exit code for out of memory: a result in a sweep
 
@@ -131,18 +132,23 @@ def run_sweep(
     failed: list[str] = []
     for index, (name, combination) in enumerate(runs, 1):
         run_dir = out / "runs" / name
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(run_dir, "the run's folder", "--out")
         command = [sys.executable, "-m", "litft.cli", "finetune", "--config", config, *common,
                    *overrides_of(combination), "--out_dir", str(run_dir), "--overwrite",
                    "--logging.progress", "plain"]
         say(f"[{index}/{len(runs)}] {name}: {' '.join(command[3:])}")
         start = time.perf_counter()
-        with open(run_dir / "log.txt", "w", encoding="utf-8") as log:
+        log_path = run_dir / "log.txt"
+        with writing("the run's log", log_path, "--out"):
+            log = open(log_path, "wb", buffering=0)  # unbuffered: closing it writes nothing that could fail
+        with log:  # the run writes into it itself
             try:
                 code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 code = None
-                log.write(f"\nlitft sweep: timeout: the run took more than {timeout:.0f} s and was stopped\n")
+                with writing("the run's log", log_path, "--out"):
+                    log.write(f"\nlitft sweep: timeout: the run took more than {timeout:.0f} s and was stopped\n"
+                              .encode())
         seconds = time.perf_counter() - start
         what = {0: "ok", OUT_OF_MEMORY_EXIT: "out of memory (a result)", None: "timed out"}.get(code, f"exit {code}")
         say(f"[{index}/{len(runs)}] {name}: {what} in {seconds:.0f} s")
@@ -167,8 +173,8 @@ def write_tables(out: Path, report, groups: dict[str, list[str]] | None = None) 
     text = report.table(runs, None, "md") + "\n"
     if groups:
         text += "\n" + "\n".join(spread_lines(out, groups)) + "\n"
-    (out / "sweep.md").write_text(text, encoding="utf-8")
-    (out / "sweep.csv").write_text(report.table(runs, None, "csv"), encoding="utf-8")
+    write_text_atomic(out / "sweep.md", text, what="the sweep's table", setting="--out")
+    write_text_atomic(out / "sweep.csv", report.table(runs, None, "csv"), what="the sweep's table", setting="--out")
 
 
 def spread_lines(out: Path, groups: dict[str, list[str]]) -> list[str]:

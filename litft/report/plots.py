@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from litft.errors import ConfigError
+from litft.files import make_dir, write_atomic
 from litft.report.runs import MISSING, Run
 from litft.report.tables import environments, format_value, group_runs, resolve_field, sort_runs
 
@@ -86,7 +87,7 @@ def plot(runs: Sequence[Run], out_dir: str | os.PathLike, by: str | None = None,
     if not runs:
         raise ConfigError("nothing to plot: no runs")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "the plots folder", "--plot")
     written = [
         _plot_tokens_per_sec(runs, out / "tokens_per_sec.png", by), _plot_memory(runs, out / "peak_memory.png", by)
     ]
@@ -121,7 +122,12 @@ def _plot_tokens_per_sec(runs: Sequence[Run], path: Path, by: str | None) -> Pat
     if handles:
         ax.legend(handles=handles, fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.savefig(path)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    """The chart as a PNG, whole or absent (a failed write: WriteError, exit 6)."""
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"), what="the chart", setting="--plot")
     return path
 
 
@@ -188,8 +194,7 @@ def _plot_memory(runs: Sequence[Run], path: Path, by: str | None) -> Path:
     _x_axis(ax, runs)
     ax.legend(handles=legend, fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
-    fig.savefig(path)
-    return path
+    return _save(fig, path)
 
 
 def _plot_scaling(runs: Sequence[Run], path: Path) -> Path:
@@ -232,5 +237,4 @@ def _plot_scaling(runs: Sequence[Run], path: Path) -> Path:
     ax.set_title("Scaling: total real tokens/s vs devices, steady state\n" + _device_label(measured), fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.savefig(path)
-    return path
+    return _save(fig, path)

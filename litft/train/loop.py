@@ -77,7 +77,12 @@ def spawned_rank(fabric, recipe: Recipe, resume: str | None) -> RunResult | Litf
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new run into another run's out_dir (its metrics and weights would be interleaved)."""
+    """Refuse an out_dir that cannot be written (a file, a path under a file, a read-only disk: exit 6, before
+    anything is built), and refuse to mix a new run into another run's out_dir (its metrics and weights would be
+    interleaved: exit 2)."""
+    from litft.files import check_writable
+
+    check_writable(out_dir)
     if out_dir.is_dir() and any((out_dir / name).exists() for name in ("result.json", "metrics.jsonl", "config.yaml")):
         if not overwrite:
             raise ConfigError(
