@@ -78,3 +78,32 @@ def test_a_resumed_run_reports_the_val_loss_its_run_started_from(tiny_recipe, tm
     assert saved["val_initial"] == whole["losses"]["val_initial"]
     assert saved["val_final"] == pytest.approx(whole["losses"]["val_final"], rel=1e-6)
     assert torch.isfinite(torch.tensor(saved["val_final"]))
+
+
+def test_a_damaged_tokenizer_exits_6_naming_the_key_and_the_folder(tiny_checkpoint_dir, tiny_data_path, tmp_path,
+                                                                    capsys):
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{broken")
+    code, out, err = _finetune(["--config", "demo", "--model.checkpoint_dir", str(tiny_checkpoint_dir),
+                                "--model.tokenizer_dir", str(tokenizer), "--data.path", str(tiny_data_path),
+                                "--data.max_seq_length", "96", "--out_dir", str(tmp_path / "run")], capsys)
+    assert code == 6, err
+    assert "model.tokenizer_dir" in err and str(tokenizer) in err and "Traceback" not in err + out
+
+
+def test_too_little_disk_for_the_final_weights_exits_6_before_the_model_is_built(tiny_checkpoint_dir,
+                                                                                  tiny_data_path, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """The final weights' size is known from the model's shapes: a disk without room for them fails the run before
+    the model is built or the out_dir made, with the sizes needed and free."""
+    import litft.files as files
+
+    monkeypatch.setattr(files, "free_bytes", lambda directory: 1024)
+    out_dir = tmp_path / "run"
+    code, out, err = _finetune(["--config", "demo", "--model.checkpoint_dir", str(tiny_checkpoint_dir),
+                                "--data.path", str(tiny_data_path), "--data.max_seq_length", "96",
+                                "--method", "full", "--out_dir", str(out_dir)], capsys)
+    assert code == 6, err
+    assert "not enough disk space for the final weights" in err and "1.0 KiB" not in err
+    assert "model:" not in out and not out_dir.exists() and "Traceback" not in err

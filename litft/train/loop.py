@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from litft import metrics, plan as planning
-from litft.checkpoint import committed_checkpoints, save_final
+from litft.checkpoint import committed_checkpoints, final_weights_bytes, save_final
 from litft.errors import ConfigError, LitftError, NonFiniteLossError
-from litft.files import write_json_atomic
+from litft.files import check_free_space, write_json_atomic
 from litft.model import CausalLM, architecture_problems, model_config
 from litft.progress import Progress, print_summary
 from litft.recipe import Recipe, config_hash, load_recipe, resolve_path, validate
@@ -156,6 +156,7 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     train_sampler, val_sampler = setup.make_samplers(fabric, recipe, plan, data)
     micro_batches_per_epoch = len(train_sampler) * plan.loader_batch_size // recipe.train.micro_batch_size
     total_steps = planning.planned_steps(recipe, micro_batches_per_epoch)
+    check_free_space(out_dir, final_weights_bytes(recipe, config), "the final weights")
     if fabric.global_rank == 0:
         setup.start_out_dir(out_dir, recipe, checkpoint)
     fabric.print(f"litft: {recipe.method} fine-tune, {recipe.init} weights, precision {recipe.precision},"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from litft import metrics
-from litft.errors import ConfigError, DataError
+from litft.errors import CheckpointError, ConfigError, DataError
 from litft.model import (
     CausalLM,
     apply_activation_checkpointing,
@@ -28,7 +28,14 @@ def load_data(recipe: Recipe):
 
     from litft.data import prepare_data
 
-    tokenizer = Tokenizer(resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir))
+    directory = resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir)
+    try:
+        tokenizer = Tokenizer(directory)
+    except Exception as err:  # noqa: BLE001 - tokenizers and sentencepiece raise their own types for a bad file
+        key = "model.tokenizer_dir" if recipe.model.tokenizer_dir else "model.checkpoint_dir"
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{key}: cannot load the tokenizer in '{directory}' ({reason}); it needs a whole"
+                              " tokenizer.json or tokenizer.model, as `litgpt download` writes them") from None
     return prepare_data(recipe.data, tokenizer, seed=recipe.seed)
 
 
@@ -48,14 +55,18 @@ def load_resume(fabric, recipe: Recipe, out_dir: Path, resume: str) -> dict:
 
 def start_out_dir(out_dir: Path, recipe: Recipe, checkpoint: dict | None) -> None:
     """The run's config.yaml; a new run's metrics and result start afresh, a resumed run's metrics keep the steps up
-    to its checkpoint."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    to its checkpoint. A failed write is a WriteError (exit 6) naming the file."""
+    from litft.files import make_dir, write_text_atomic, writing
+
+    make_dir(out_dir, "the out_dir")
     if checkpoint is None:
         for name in ("metrics.jsonl", "result.json"):  # --overwrite: start the files afresh
-            (out_dir / name).unlink(missing_ok=True)
+            with writing(f"the replaced run's {name}", out_dir / name):
+                (out_dir / name).unlink(missing_ok=True)
     else:
-        keep_metrics_until(out_dir / "metrics.jsonl", checkpoint["state"]["counters"]["step"])
-    (out_dir / "config.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
+        with writing("the metrics log", out_dir / "metrics.jsonl"):
+            keep_metrics_until(out_dir / "metrics.jsonl", checkpoint["state"]["counters"]["step"])
+    write_text_atomic(out_dir / "config.yaml", recipe_to_yaml(recipe))
 
 
 def worst_case_tokens(plan: Plan, micro_batch_size: int, lengths: torch.Tensor) -> int:
