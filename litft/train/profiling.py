@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from litft import metrics
+from litft.files import write_atomic, write_text_atomic
 
 
 def no_range(name: str):
@@ -63,8 +64,8 @@ class StepProfiler:
         self._recording = False
         try:
             snapshot = torch.cuda.memory._snapshot()  # what torch.cuda.memory._dump_snapshot pickles
-            with open(self.snapshot_path, "wb") as f:
-                pickle.dump(snapshot, f)
+            write_atomic(self.snapshot_path, lambda tmp: tmp.write_bytes(pickle.dumps(snapshot)), durable=False,
+                         what="the memory snapshot")
             self.say(f"memory snapshot ({why}) written to {self.snapshot_path}: open it in pytorch.org/memory_viz")
             for line in metrics.snapshot_pools(snapshot):
                 self.say(f"  {line}")
@@ -111,7 +112,8 @@ class StepProfiler:
                     self.say(line)
                 # every kernel, not only the top rows: what a breakdown by kind (adapters, attention, ...) sums over
                 every_kernel = self.directory.parent / "profile_kernels.txt"
-                every_kernel.write_text("\n".join(kernel_table(kernels, steps, rows=None, width=400)) + "\n")
+                write_text_atomic(every_kernel, "\n".join(kernel_table(kernels, steps, rows=None, width=400)) + "\n",
+                                  durable=False, what="the kernel table")
                 self.say(f"profiler: all kernels in {every_kernel}")
             self._prof = None
             self.say(f"profiler: steps {self.start}-{self.end} written to {self.directory} (tensorboard --logdir"
