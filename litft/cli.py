@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from litft import units
 from litft.errors import ConfigError, LitftError
 
 USAGE = """usage: litft <command> [options]
@@ -16,9 +17,11 @@ commands:
   ls [--model M] [--method full|lora|qlora]   the shipped recipes (est. GiB once `litft estimate` traced one)
   show NAME|PATH [--resolved]                 a recipe's YAML (with its comments), or the resolved config
   cp NAME DEST [--force]                      copy a shipped recipe to edit it
-  validate NAME|PATH [--key value ...]        check a recipe and overrides without running it
+  validate NAME|PATH [--check-files] [--key value ...]
+                                              check a recipe and overrides without running it; --check-files:
+                                              the files it names must be there too
   estimate --config NAME|PATH [--gpu-memory 80] [--sharding none|zero2|zero3]
-           [--offload none|optimizer|optimizer+params] [--key value ...]
+           [--offload none|optimizer|optimizer+params] [--json] [--key value ...]
                                               predicted GPU memory, part by part, and what would fit
   finetune --config NAME|PATH [--key value ...] [--overwrite] [--resume auto|CHECKPOINT]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
@@ -90,7 +93,14 @@ def cmd_finetune(args: list[str]) -> int:
     from litft.recipe import build_parser, load_recipe
 
     if "-h" in args or "--help" in args:
-        build_parser().print_help()
+        parser = build_parser()
+        run = parser.add_argument_group("the run (options of litft finetune, not recipe keys)")
+        run.add_argument("--overwrite", action="store_true",
+                         help="Replace the run already in out_dir (its config, metrics and result).")
+        run.add_argument("--resume", metavar="auto|CHECKPOINT",
+                         help="Continue from a committed checkpoint: 'auto' takes the newest in out_dir (and starts"
+                              " from the beginning when there is none), or give a checkpoint folder.")
+        parser.print_help()
         return 0
     overwrite = _take_flag(args, "--overwrite")
     resume = _take_option(args, "--resume")
@@ -128,6 +138,7 @@ def cmd_estimate(args: list[str]) -> int:
     import json as json_module
 
     from litft.memory import estimate_memory, what_would_fit
+    from litft.memory.ledger import sized_for
     from litft.recipe import load_recipe, parse_memory_cap
 
     gpu_memory = _take_option(args, "--gpu-memory")
@@ -150,9 +161,7 @@ def cmd_estimate(args: list[str]) -> int:
     elif recipe.memory_cap is not None:
         import torch
 
-        from litft.metrics import GIB
-
-        total = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
+        total = torch.cuda.get_device_properties(0).total_memory / units.GIB if torch.cuda.is_available() else 80.0
         budget = parse_memory_cap(recipe.memory_cap, total)
     try:
         est = estimate_memory(recipe, sharding=sharding, offload=offload)
@@ -168,21 +177,32 @@ def cmd_estimate(args: list[str]) -> int:
     if sharded:
         print(f"planned: {sharding} over {recipe.devices} GPU(s), offload {offload} (a plan for an FSDP or DeepSpeed"
               " run; litft's own loop replicates the model, DDP)")
-    print(f"predicted GPU memory per device ({recipe.devices} device(s)):")
+    print(f"predicted GPU memory per device ({recipe.devices} device(s)), {sized_for(est.tokens)}"
+          f" ({_positions_bound(recipe)}):")
     print("\n".join(est.lines()))
     for note in est.notes:
         print(f"  note: {note}")
+    print("  note: sized for the recipe's bound; a run sizes its prediction for the largest micro-batch its data"
+          " forms, and its summary says how many positions that is")
     if budget is not None:
         verdict = "fits" if est.device_gib <= budget else "does NOT fit"
-        print(f"verdict: {est.device_gib:.1f} GiB {verdict} in {budget:.1f} GiB")
+        print(f"verdict: {units.gib(est.device_gib)} {verdict} in {units.gib(budget)}")
         if fits:
-            print("changes that would fit, least intrusive first (predicted GiB, saving):")
+            print("changes that would fit, least intrusive first (predicted on the device, saving):")
             for f in fits:
-                print(f"  - {f['change']}: {f['device_gib']:.1f} GiB (-{f['saving_gib']:.1f})")
+                print(f"  - {f['change']}: {units.gib(f['device_gib'])} (-{units.gib(f['saving_gib'])})")
         elif est.device_gib > budget:
             print("no single change or pair of changes fits; consider more GPUs with sharding (e.g. --devices 4"
                   " --sharding zero3) or a smaller model")
     return 0
+
+
+def _positions_bound(recipe) -> str:
+    """Where `litft estimate`'s positions per micro-batch come from (litft.memory.estimate_memory's default)."""
+    d = recipe.data
+    if d.packing and d.pack_steps and d.pack_capacity is not None:
+        return f"data.pack_capacity {d.pack_capacity}"
+    return f"micro_batch_size {recipe.train.micro_batch_size} x max_seq_length {d.max_seq_length}"
 
 
 def cmd_validate(args: list[str]) -> int:
@@ -194,14 +214,14 @@ def cmd_validate(args: list[str]) -> int:
     strict_files = _take_flag(overrides, "--check-files")
     recipe = load_recipe(source, args=overrides, validate_paths=False)
     file_problems = [p for p in validate(recipe, check_paths=True) if p not in validate(recipe, check_paths=False)]
-    print(f"valid: {source}")
+    if strict_files and file_problems:
+        raise ConfigError(file_problems, source=source)
+    print(f"valid: {source}" + (" (and the files it names)" if strict_files else ""))
     print(f"  {recipe.method} on {recipe.model.name or resolve_path(recipe.model.checkpoint_dir)}, init {recipe.init},"
           f" precision {recipe.precision}, {recipe.devices} device(s), strategy {recipe.strategy}")
     print(f"  {recipe.batch_arithmetic()}")
     for problem in file_problems:
-        print(f"  note: {problem}")
-    if strict_files and file_problems:
-        raise ConfigError(file_problems, source=source)
+        print(f"  note (files; --check-files makes it an error): {problem}")
     return 0
 
 
@@ -217,7 +237,7 @@ def cmd_ls(args: list[str]) -> int:
         raise ConfigError(f"ls: unexpected arguments {' '.join(args)} (filters: --model M, --method full|lora|qlora)")
     table = Table(title="litft recipes (litft show NAME for details)", title_justify="left")
     for column in ("name", "model", "method", "precision", "optimizer", "micro x accum x devices", "seq",
-                   "est. GiB", "about"):
+                   "est. on the device (positions per micro-batch)", "about"):
         table.add_column(column)
     from litft.memory import estimate_memory
 
@@ -239,12 +259,13 @@ def cmd_ls(args: list[str]) -> int:
 
 
 def _known_estimate(estimate_memory, recipe) -> str:
-    """Predicted peak GiB per GPU when its activation trace is cached (after `litft estimate` or a run), else '-'."""
+    """Predicted memory on each GPU, with the positions per micro-batch it is sized for, when the activation trace
+    is cached (after `litft estimate` or a run), else '-'."""
     try:
         est = estimate_memory(recipe, cached_only=True)
     except Exception:
         return "-"
-    return f"{est.device_gib:.1f}" if est is not None else "-"
+    return f"{units.gib(est.device_gib)} ({units.count(est.tokens)})" if est is not None else "-"
 
 
 def _recipe_summary(name: str) -> str:
@@ -291,7 +312,7 @@ def cmd_cp(args: list[str]) -> int:
 def cmd_env(args: list[str]) -> int:
     import torch
 
-    from litft.metrics import GIB, environment
+    from litft.metrics import environment
 
     env = environment()
     for key, value in env.items():
@@ -299,7 +320,7 @@ def cmd_env(args: list[str]) -> int:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            print(f"{'gpu ' + str(i):>14}: {p.name}, {p.total_memory / GIB:.1f} GiB, {p.multi_processor_count} SMs,"
+            print(f"{'gpu ' + str(i):>14}: {p.name}, {units.size(p.total_memory)}, {p.multi_processor_count} SMs,"
                   f" bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
         if torch.distributed.is_nccl_available():
             print(f"{'nccl':>14}: {'.'.join(map(str, torch.cuda.nccl.version()))}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+
+from litft import units
 
 
 def _fmt_duration(seconds: float | None) -> str:
@@ -15,18 +16,6 @@ def _fmt_duration(seconds: float | None) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
-def fmt_num(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
 
 
 class Progress:
@@ -67,7 +56,9 @@ class Progress:
             print(message, flush=True)
 
     def update(self, step: int, loss: float, tok_s: float | None, gib: float | None, lr: float) -> None:
-        stats = f"loss {loss:.4f} | lr {lr:.2e} | {fmt_num(tok_s)} tok/s" + (f" | {gib:.2f} GiB" if gib else "")
+        stats = f"loss {units.loss(loss)} | lr {lr:.2e} | {units.rate(tok_s)} tok/s"
+        if gib:
+            stats += f" | {units.gib(gib)}"
         if self.mode == "rich":
             self._bar.update(self._task, completed=step, stats=stats)
         elif self.mode == "plain":
@@ -95,15 +86,17 @@ def print_summary(result: dict) -> None:
     rows = [
         ("model / method", f"{result['model']['name']} / {result['recipe']['method']} / {result['recipe']['precision']}"),
         ("batch", result["batch"]["arithmetic"]),
-        ("parameters", f"{fmt_num(result['parameters']['trainable'])} trainable of {fmt_num(result['parameters']['total'])}"),
-        ("steps / epochs", f"{result['steps']} / {result['epochs_completed']:.2f}"),
-        ("loss (train first -> last)", f"{fmt_num(losses['train_first'], 4)} -> {fmt_num(losses['train_last'], 4)}"),
-        ("val loss (initial -> final)", f"{fmt_num(losses['val_initial'], 4)} -> {fmt_num(losses['val_final'], 4)}"),
-        ("tok/s (real, all devices)", f"{fmt_num(t['tokens_per_sec'])}  (padded: {fmt_num(t['padded_tokens_per_sec'])})"),
-        ("tok/s per device", fmt_num(t["tokens_per_sec_per_device"])),
-        ("MFU", f"{t['mfu'] * 100:.1f}%" if t["mfu"] is not None else "n/a (CPU or GPU not in the peak table)"),
+        ("parameters", f"{units.params(result['parameters']['trainable'])} trainable of"
+                       f" {units.params(result['parameters']['total'])}"),
+        ("steps / epochs", f"{units.count(result['steps'])} / {result['epochs_completed']:.2f}"),
+        ("loss (train first -> last)", f"{units.loss(losses['train_first'])} -> {units.loss(losses['train_last'])}"),
+        ("val loss (initial -> final)", f"{units.loss(losses['val_initial'])} -> {units.loss(losses['val_final'])}"),
+        ("tok/s (real, all devices)", f"{units.rate(t['tokens_per_sec'])}  (padded:"
+                                      f" {units.rate(t['padded_tokens_per_sec'])})"),
+        ("tok/s per device", units.rate(t["tokens_per_sec_per_device"])),
+        ("MFU", units.percent(t["mfu"]) if t["mfu"] is not None else "n/a (CPU or GPU not in the peak table)"),
         ("median step time", f"{t['median_step_time_s'] * 1000:.1f} ms" if t["median_step_time_s"] else "n/a"),
-        ("padding", f"{t['padding_fraction'] * 100:.1f}% of positions"),
+        ("padding", f"{units.percent(t['padding_fraction'])} of positions"),
         ("peak memory", _memory_line(mem)),
         ("wall time", " | ".join(f"{k} {v:.1f}s" for k, v in result["phases_s"].items())),
         ("out_dir", result["out_dir"]),
@@ -116,16 +109,21 @@ def print_summary(result: dict) -> None:
 
 
 def _memory_line(mem: dict) -> str:
+    """The measured peak, and the ledger's prediction with the micro-batch size it was made for."""
+    from litft.memory.ledger import sized_for
+
     predicted = mem.get("predicted")
     if mem.get("peak_allocated_gib") is None:
-        line = f"host peak RSS {mem['host_peak_rss_gib']:.2f} GiB (CPU run: no device memory)"
+        line = f"host peak RSS {units.gib(mem['host_peak_rss_gib'])} (CPU run: no device memory)"
         if predicted:
-            line += f"; on a GPU the ledger predicts {predicted['total_gib']:.2f} GiB reserved"
+            line += (f"; on a GPU the ledger predicts {units.gib(predicted['total_gib'])} reserved"
+                     f" {sized_for(predicted['tokens'])}")
         return line
     line = (
-        f"{mem['peak_allocated_gib']:.2f} GiB allocated, {mem['peak_reserved_gib']:.2f} GiB reserved"
-        f" (device used {mem['device_used_gib']:.2f} of {mem['device_total_gib']:.1f} GiB)"
+        f"{units.gib(mem['peak_allocated_gib'])} allocated, {units.gib(mem['peak_reserved_gib'])} reserved"
+        f" (device used {units.gib(mem['device_used_gib'])} of {units.gib(mem['device_total_gib'])})"
     )
     if predicted and mem.get("error_pct") is not None:
-        line += f"; predicted {predicted['total_gib']:.2f} GiB reserved ({mem['error_pct']:+.1f}%)"
+        line += (f"; predicted {units.gib(predicted['total_gib'])} reserved ({mem['error_pct']:+.1f}%)"
+                 f" {sized_for(predicted['tokens'])}")
     return line

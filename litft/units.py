@@ -1,6 +1,7 @@
 """One number style for everything litft prints: counts and rates with thousands separators and no false precision,
 parameter counts in M or B with three significant digits, memory in GiB (2^30 bytes) with two decimals, or MiB
-below a tenth of a GiB, so that a small figure is never printed as 0.00."""
+below a tenth of a GiB, so that a small figure is never printed as 0.00; fractions as percentages with one decimal,
+losses with four."""
 
 from __future__ import annotations
 
@@ -41,3 +42,13 @@ def gib(value_gib: float | None) -> str:
 def size(n_bytes: int | float) -> str:
     """A size in bytes, as :func:`gib` prints it."""
     return gib(n_bytes / GIB)
+
+
+def percent(fraction: float | None) -> str:
+    """A fraction as a percentage with one decimal: 0.1234 -> '12.3%'; None -> 'n/a'."""
+    return "n/a" if fraction is None else f"{fraction * 100:.1f}%"
+
+
+def loss(value: float | None) -> str:
+    """A loss with four decimals ('2.3026'); None -> 'n/a'."""
+    return "n/a" if value is None else f"{value:.4f}"

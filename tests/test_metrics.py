@@ -198,7 +198,7 @@ def test_estimate_cli_plans_a_sharded_run(capsys):
     assert main(["estimate", "--config", "open-llama-13b-full", "--gpu-memory", "80", "--devices", "4",
                  "--sharding", "zero3"]) == 0
     out = capsys.readouterr().out
-    assert "planned: zero3 over 4 GPU(s)" in out and "fits in 80.0 GiB" in out and "sharded over 4 GPUs" in out
+    assert "planned: zero3 over 4 GPU(s)" in out and "fits in 80.00 GiB" in out and "sharded over 4 GPUs" in out
     assert main(["estimate", "--config", "open-llama-13b-full", "--sharding", "zero4"]) == 2
     assert "choose one of none, zero2, zero3" in capsys.readouterr().err
 
@@ -208,11 +208,11 @@ def test_estimate_cli_gives_a_verdict_and_ranked_fixes(capsys):
 
     assert main(["estimate", "--config", "open-llama-13b-full", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
-    assert "does NOT fit in 80.0 GiB" in out
+    assert "does NOT fit in 80.00 GiB" in out
     fixes = [line for line in out.splitlines() if line.startswith("  - ")]
     assert fixes and "SGD" in out
     assert main(["estimate", "--config", "open-llama-13b-full-sgd", "--gpu-memory", "80"]) == 0
-    assert "fits in 80.0 GiB" in capsys.readouterr().out
+    assert "fits in 80.00 GiB" in capsys.readouterr().out
 
 
 def test_snapshot_pools_split_reserved_memory_by_pool():

@@ -271,3 +271,103 @@ def test_a_source_checkout_without_install_finds_the_shipped_recipes(tmp_path):
     assert out.returncode == 0, out.stderr
     where, names = out.stdout.splitlines()
     assert Path(where) == repo / "recipes" and "tiny-llama-lora" in names.split()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Strict YAML: nothing a file says is dropped silently; the file and the command line accept the same shapes
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _validate(tmp_path, capsys, text, *args):
+    """`litft validate FILE ARGS`: the exit code and stderr."""
+    from litft.cli import main
+
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    code = main(["validate", str(path), *args])
+    return code, capsys.readouterr().err
+
+
+def test_a_key_given_twice_in_the_yaml_names_both_lines(tmp_path, capsys):
+    code, err = _validate(tmp_path, capsys, "init: random\nmodel:\n  name: tiny-llama-1.1b\ntrain:\n  epochs: 1\n"
+                                            "  micro_batch_size: 2\n  epochs: 2\n")
+    assert code == 2
+    assert "train.epochs: given twice, on lines 5 and 7" in err
+
+
+def test_an_empty_yaml_says_it_is_empty(tmp_path, capsys):
+    for text in ("", "# a comment and nothing else\n"):
+        code, err = _validate(tmp_path, capsys, text)
+        assert code == 2
+        assert "r.yaml: the file is empty" in err
+    code, _ = _validate(tmp_path, capsys, "{}\n", "--init", "random", "--model.name", "tiny-llama-1.1b")
+    assert code == 0  # '{}' is a recipe of the defaults
+
+
+def test_an_empty_section_is_named(tmp_path, capsys):
+    code, err = _validate(tmp_path, capsys, "init: random\nmodel:\n  name: tiny-llama-1.1b\ntrain:\n")
+    assert code == 2
+    assert "train: the section is empty" in err
+
+
+def test_the_same_setting_given_two_ways_is_refused(tmp_path, capsys):
+    head = "init: random\nmodel:\n  name: tiny-llama-1.1b\n"
+    code, err = _validate(tmp_path, capsys, head + "optimizer:\n  lr: 1.0e-4\n  init_args: {lr: 2.0e-4}\n")
+    assert code == 2
+    assert "optimizer.init_args.lr: given twice, as optimizer.lr and optimizer.init_args.lr" in err
+    code, err = _validate(tmp_path, capsys, head, "--optimizer.lr", "1e-4", "--optimizer.init_args.lr", "2e-4")
+    assert code == 2
+    assert "optimizer.init_args.lr: given twice, as --optimizer.lr and --optimizer.init_args.lr" in err
+    code, err = _validate(tmp_path, capsys, head, "--optimizer.init_args", '{"lr": 1e-4}', "--optimizer.lr", "2e-4")
+    assert code == 2
+    assert "optimizer.init_args.lr: given twice, as --optimizer.init_args" in err
+    code, err = _validate(tmp_path, capsys, head, "--optimizer", "torch.optim.SGD", "--optimizer.class_path",
+                          "torch.optim.AdamW")
+    assert code == 2
+    assert "optimizer.class_path: given twice, as --optimizer and --optimizer.class_path" in err
+    with pytest.raises(ConfigError, match="optimizer.init_args.lr: given twice"):
+        load_recipe("tiny-llama-lora", validate_paths=False, optimizer={"lr": 1e-4, "init_args": {"lr": 2e-4}})
+
+
+def test_the_optimizer_shorthand_reads_the_same_in_yaml_and_on_the_command_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    for yaml_text, cli in [
+        ("optimizer: {lr: 1.0e-4}\n", ["--optimizer.lr", "1e-4"]),
+        ("optimizer:\n  class_path: torch.optim.SGD\n  momentum: 0.9\n",
+         ["--optimizer", "torch.optim.SGD", "--optimizer.momentum", "0.9"]),
+        ("optimizer: torch.optim.SGD\n", ["--optimizer", "torch.optim.SGD"]),
+    ]:
+        path.write_text("init: random\nmodel:\n  name: tiny-llama-1.1b\n" + yaml_text)
+        from_yaml = load_recipe(path, validate_paths=False)
+        path.write_text("init: random\nmodel:\n  name: tiny-llama-1.1b\n")
+        from_cli = load_recipe(path, args=cli, validate_paths=False)
+        assert from_yaml.optimizer == from_cli.optimizer, yaml_text
+    assert from_yaml.optimizer.class_path == "torch.optim.SGD"
+    shorthand = load_recipe("tiny-llama-full", validate_paths=False, optimizer={"lr": 1e-5})
+    assert shorthand.optimizer.init_args["lr"] == 1e-5
+
+
+def test_missing_weights_name_the_recipes_own_model_and_a_whole_alternative(capsys):
+    """The advice names the OpenLLaMA repo (not another model's), and the random-weights alternative it gives is
+    complete: following it validates, files included."""
+    from litft.cli import main
+
+    assert main(["validate", "open-llama-7b-lora", "--check-files"]) == 2
+    err = capsys.readouterr().err
+    assert "`litgpt download openlm-research/open_llama_7b`" in err and "TinyLlama" not in err
+    assert "--init random --model.tokenizer_dir litft:demo/model" in err
+    load_recipe("open-llama-7b-lora", args=["--init", "random", "--model.tokenizer_dir", "litft:demo/model"])
+    # init random without a tokenizer: the message says which key to set
+    with pytest.raises(ConfigError) as info:
+        load_recipe("open-llama-7b-lora", args=["--init", "random"])
+    assert len(info.value.problems) == 1 and "set model.tokenizer_dir" in info.value.problems[0]
+
+
+def test_a_missing_tokenizer_is_reported_once(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model_config.yaml").write_text("name: x\n")
+    (tmp_path / "ckpt" / "lit_model.pth").write_bytes(b"")
+    problems = _problems(tmp_path, f"model:\n  checkpoint_dir: {tmp_path}/ckpt\n")
+    assert [p for p in problems if "tokenizer" in p] == [
+        f"model.checkpoint_dir: '{tmp_path}/ckpt' lacks tokenizer.json or tokenizer.model; a LitGPT checkpoint"
+        " directory holds lit_model.pth, model_config.yaml and the tokenizer (`litgpt download` writes all three)"]

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from litft import units
 from litft.memory.trace import activation_bytes_per_token_layer
 from litft.metrics import GIB
 from litft.plan import Plan, plan_for_estimate
@@ -84,15 +85,20 @@ class MemoryEstimate:
         return out
 
     def lines(self) -> list[str]:
-        width = max(len(p.name) for p in self.parts)
-        rows = [f"  {p.name:<{width}}  {p.gib:8.2f} GiB   {p.detail}" for p in self.parts]
-        rows += [
-            f"  {'= peak allocated':<{width}}  {self.allocated_gib:8.2f} GiB",
-            f"  {'= peak reserved':<{width}}  {self.total_gib:8.2f} GiB"
-            f"   (x{self.allocator_overhead} allocator overhead)",
-            f"  {'+ CUDA context':<{width}}  {self.device_gib:8.2f} GiB   on the device (context ~{CUDA_CONTEXT_GIB} GiB)",
+        """The ledger, a part a line, then the totals: peak allocated, peak reserved, and on the device."""
+        rows = [(p.name, p.gib, p.detail) for p in self.parts] + [
+            ("= peak allocated", self.allocated_gib, sized_for(self.tokens)),
+            ("= peak reserved", self.total_gib, f"x {self.allocator_overhead:.2f} allocator overhead"),
+            ("= on the device", self.device_gib, f"with the CUDA context (~{units.gib(CUDA_CONTEXT_GIB)})"),
         ]
-        return rows
+        width = max(len(name) for name, _, _ in rows)
+        return [f"  {name:<{width}}  {units.gib(gib):>10}   {detail}".rstrip() for name, gib, detail in rows]
+
+
+def sized_for(tokens: int) -> str:
+    """What a prediction is sized for: the positions of one micro-batch (a run's own largest, or the recipe's bound
+    in `litft estimate` and `litft ls`)."""
+    return f"for micro-batches of {units.count(tokens)} positions"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -198,7 +204,7 @@ def estimate_memory(
         largest = max(_quantized_sizes(model))
         compute_bytes = plan.precision.compute_bytes
         parts.append(Part("dequantized weight", largest * compute_bytes / GIB,
-                          f"one 4-bit layer's weight in {compute_bytes} B for its matmul ({largest / 1e6:.1f}M)"))
+                          f"one 4-bit layer's weight in {compute_bytes} B for its matmul ({units.params(largest)})"))
 
     allocated = sum(p.gib for p in parts)
     overhead = ALLOCATOR_OVERHEAD_QLORA if recipe.method == "qlora" else ALLOCATOR_OVERHEAD
@@ -209,7 +215,7 @@ def estimate_memory(
                      " counts both in full (an upper bound)")
     if host_offloaded:
         host += host_offloaded
-        notes.append(f"offload: {host_offloaded:.1f} GiB of host RAM for what all {recipe.devices} ranks move there"
+        notes.append(f"offload: {units.gib(host_offloaded)} of host RAM for what all {recipe.devices} ranks move there"
                      " (DeepSpeed pins it: it must be free RAM, not swap)")
     return MemoryEstimate(parts=parts, allocated_gib=allocated, total_gib=total, device_gib=total + CUDA_CONTEXT_GIB,
                           host_gib=host, activations_per_token_layer=per_token_layer, tokens=tokens, notes=notes,
@@ -234,11 +240,11 @@ def _model_state(recipe: Recipe, plan: Plan, model, sharding: str) -> tuple[list
         other_frozen = n_frozen - linear_frozen
         q = _quantized_bytes_per_param(recipe.quantize)
         weights = linear_frozen * q + other_frozen * pbytes + n_trainable * pbytes
-        detail = (f"{linear_frozen / 1e9:.2f}B linear weights x {q:.3f} B ({recipe.quantize}) +"
-                  f" {(other_frozen + n_trainable) / 1e6:.1f}M others x {pbytes} B")
+        detail = (f"{units.params(linear_frozen)} linear weights x {q:.3f} B ({recipe.quantize}) +"
+                  f" {units.params(other_frozen + n_trainable)} others x {pbytes} B")
     else:
         weights = (n_trainable + n_frozen) * pbytes
-        detail = f"{(n_trainable + n_frozen) / 1e9:.3f}B params x {pbytes} B ({precision.param_dtype})"
+        detail = f"{units.params(n_trainable + n_frozen)} params x {pbytes} B ({precision.param_dtype})"
         detail = detail.replace("torch.", "") + (": the fp32 master weights of -mixed" if precision.mixed else "")
     parts.append(Part("weights", weights / GIB, detail))
     if precision.mixed:
@@ -251,7 +257,7 @@ def _model_state(recipe: Recipe, plan: Plan, model, sharding: str) -> tuple[list
         else:  # autocast casts each weight to 16 bits for its matmul and keeps the cast for the backward pass
             parts.append(Part("16-bit weight copies", sum(matrices) * compute_bytes / GIB,
                               "autocast's per-step casts, kept for the backward pass"))
-    parts.append(Part("gradients", n_trainable * pbytes / GIB, f"{n_trainable / 1e6:.1f}M trainable x {pbytes} B"))
+    parts.append(Part("gradients", n_trainable * pbytes / GIB, f"{units.params(n_trainable)} trainable x {pbytes} B"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt_bytes, opt_detail = _optimizer_state_bytes(recipe, trainable, pbytes)
     parts.append(Part("optimizer state", opt_bytes / GIB, opt_detail))
@@ -265,12 +271,13 @@ def _activations(plan: Plan, config, tokens: int, per_token_layer: int) -> Part:
     if plan.activation_checkpointing:
         block_input = config.n_embd * plan.precision.compute_bytes
         acts = tokens * (config.n_layer * block_input + per_token_layer)
-        detail = (f"{tokens:,} tokens x ({config.n_layer} blocks x {block_input:,} B kept input + one block"
-                  f" recomputed {per_token_layer:,} B)")
+        detail = (f"{units.count(tokens)} tokens x ({config.n_layer} blocks x {units.count(block_input)} B kept input"
+                  f" + one block recomputed {units.count(per_token_layer)} B)")
     else:
         acts = tokens * config.n_layer * per_token_layer
         how = "compiled" if plan.compile else "eager"
-        detail = f"{tokens:,} tokens x {config.n_layer} blocks x {per_token_layer:,} B/token/block (traced, {how})"
+        detail = (f"{units.count(tokens)} tokens x {config.n_layer} blocks x {units.count(per_token_layer)}"
+                  f" B/token/block (traced, {how})")
     return Part("activations", acts / GIB, detail)
 
 
@@ -284,7 +291,7 @@ def _loss(plan: Plan, config, tokens: int) -> Part:
     chunk = min(tokens, plan.loss_chunk) if plan.loss_chunk > 0 else tokens
     per_logit = compute_bytes if plan.triton_loss else 2 * compute_bytes + 4 + 4
     return Part("logits and loss", chunk * vocab * per_logit / GIB,
-                f"{chunk:,} positions (one loss chunk) x {vocab:,} vocab x {per_logit} B"
+                f"{units.count(chunk)} positions (one loss chunk) x {units.count(vocab)} vocab x {per_logit} B"
                 + (" (Triton cross-entropy)" if plan.triton_loss else ""))
 
 
@@ -322,7 +329,7 @@ def shard_model_state(parts: list[Part], devices: int, sharding: str, offload: s
     grads.detail += f", sharded over {n} GPUs"
     if offload != "none":
         host += state.gib  # every rank's share, all on the one host
-        state.detail += f": moved to host RAM ({state.gib:.2f} GiB for all ranks)"
+        state.detail += f": moved to host RAM ({units.gib(state.gib)} for all ranks)"
         state.gib = 0.0
     else:
         state.gib /= n
@@ -332,7 +339,8 @@ def shard_model_state(parts: list[Part], devices: int, sharding: str, offload: s
         # the fp32 master weights go with the optimizer; the GPU trains on the 16-bit copies
         host += full_weights
         sixteen = full_weights * compute_bytes / 4
-        weights.gib, weights.detail = sixteen, f"16-bit weights (fp32 master copy on the host: {full_weights:.2f} GiB)"
+        weights.gib = sixteen
+        weights.detail = f"16-bit weights (fp32 master copy on the host: {units.gib(full_weights)})"
         if copies is not None:
             parts.remove(copies)
             copies = None
@@ -341,10 +349,10 @@ def shard_model_state(parts: list[Part], devices: int, sharding: str, offload: s
         if offload == "optimizer+params":
             host += full_weights
             weights.gib = gathered
-            weights.detail = f"on the host ({full_weights:.2f} GiB); 2 blocks gathered on the GPU at a time"
+            weights.detail = f"on the host ({units.gib(full_weights)}); 2 blocks gathered on the GPU at a time"
         else:
             weights.gib = full_weights / n + gathered
-            weights.detail += f", sharded over {n} GPUs + 2 blocks gathered ({gathered:.2f} GiB)"
+            weights.detail += f", sharded over {n} GPUs + 2 blocks gathered ({units.gib(gathered)})"
         if copies is not None:  # FSDP gathers in the compute dtype: the casts are the gathered blocks above
             parts.remove(copies)
     else:

@@ -1,5 +1,8 @@
-"""Loading a recipe from YAML and CLI-style overrides, in three passes so that the user sees every problem at once:
+"""Loading a recipe from YAML and CLI-style overrides: a strict reading, then three passes, so that the user sees
+every problem at once:
 
+0. reading: the YAML strictly (a key given twice in one mapping, an empty file, a setting written two ways are
+   errors, never a silent choice), and the optimizer section in the one shape the command line also accepts;
 1. keys and choices: every key of the YAML and of the overrides is checked against the dataclasses, with a
    did-you-mean for typos (jsonargparse alone stops at the first unknown key);
 2. types: jsonargparse parses the values into the declared types (and checks the optimizer's arguments against the
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import typing
 from importlib import resources
 from pathlib import Path
@@ -60,6 +64,97 @@ def find_recipe(name_or_path: str | Path) -> Path:
     raise ConfigError(
         f"no recipe file or shipped recipe named '{name_or_path}';{suggestion} `litft ls` lists the shipped recipes."
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading: strict YAML, one shape of the optimizer
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def read_recipe_file(path: Path) -> dict:
+    """The mapping a recipe file holds, read strictly: unreadable YAML, an empty file, a file that is not a mapping
+    of keys, and a key given twice in one mapping (YAML itself keeps the last one silently) raise ConfigError."""
+    source = str(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"cannot read the YAML: {err}", source=source) from None
+    if values is None:  # no document: the file is empty or only comments ('{}' is a recipe of the defaults)
+        raise ConfigError("the file is empty: a recipe is a mapping of keys (model:, method:, train:, ...);"
+                          " `litft show demo` prints a complete one", source=source)
+    if not isinstance(values, dict):
+        raise ConfigError("a recipe must be a mapping of keys (model:, train:, ...)", source=source)
+    problems = _keys_given_twice(root)
+    if problems:
+        raise ConfigError(problems, source=source)
+    return values
+
+
+def _keys_given_twice(node: yaml.Node, prefix: str = "") -> list[str]:
+    """Every key given twice in one mapping of a composed YAML document, with both line numbers."""
+    problems: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key, line = str(key_node.value), key_node.start_mark.line + 1
+            if key in lines:
+                problems.append(f"{prefix}{key}: given twice, on lines {lines[key]} and {line} (YAML would keep only"
+                                " the last); keep one")
+            else:
+                lines[key] = line
+            problems += _keys_given_twice(value_node, f"{prefix}{key}.")
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            problems += _keys_given_twice(item, prefix)
+    return problems
+
+
+def _optimizer_section(value: Any, problems: list[str]) -> dict:
+    """The optimizer as a YAML file or keyword overrides write it, in one shape: {'class_path': ..., 'init_args':
+    {...}}, each key present when given. It accepts what the command line accepts: a class path alone
+    ('torch.optim.SGD', as --optimizer torch.optim.SGD) and arguments beside class_path ({lr: 1e-4}, as
+    --optimizer.lr 1e-4). An argument given both beside class_path and in init_args is a problem."""
+    if value is None:
+        problems.append("optimizer: the section is empty; give a class path (e.g. torch.optim.SGD) or arguments"
+                        " (e.g. lr: 1.0e-4), or remove it")
+        return {}
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, str):
+        return {"class_path": value}
+    if not isinstance(value, dict):
+        problems.append(f"optimizer: expected a class path (e.g. torch.optim.SGD) or a section of class_path and"
+                        f" arguments (e.g. {{class_path: torch.optim.SGD, lr: 0.01}}), got {value!r}")
+        return {}
+    section: dict = {"class_path": value["class_path"]} if "class_path" in value else {}
+    init_args = value.get("init_args") or {}
+    if not isinstance(init_args, dict):
+        problems.append(f"optimizer.init_args: expected a mapping of arguments such as {{lr: 1e-4}}, got {init_args!r}")
+        init_args = {}
+    init_args = dict(init_args)
+    for name, arg in value.items():
+        if name in ("class_path", "init_args"):
+            continue
+        if name in init_args:
+            problems.append(f"optimizer.init_args.{name}: given twice, as optimizer.{name} and"
+                            f" optimizer.init_args.{name}; give it once")
+            continue
+        init_args[name] = arg
+    if init_args or "init_args" in value:
+        section["init_args"] = init_args
+    return section
+
+
+def _setting(key: str) -> str:
+    """The setting a command-line key names: --optimizer and --optimizer.class_path are one setting, and so are
+    --optimizer.NAME and --optimizer.init_args.NAME."""
+    if key in ("optimizer", "optimizer.class_path"):
+        return "optimizer.class_path"
+    if key.startswith("optimizer."):
+        return "optimizer.init_args." + key.removeprefix("optimizer.").removeprefix("init_args.")
+    return key
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -138,10 +233,24 @@ def _check_section(values: dict, cls: type, prefix: str, problems: list[str]) ->
         if dataclasses.is_dataclass(tp):
             if isinstance(value, dict):
                 _check_section(value, tp, dotted + ".", problems)
-            elif value is not None:
+            elif value is None:
+                problems.append(f"{dotted}: the section is empty; set some of its keys ({', '.join(_hints(tp))}) or"
+                                " remove it")
+            else:
                 problems.append(f"{dotted}: expected a section of keys ({', '.join(_hints(tp))}), got {value!r}")
             continue
         _check_choice(dotted, value, tp, problems)
+
+
+def _not_the_cpu_4bit_kernel_notice(record: logging.LogRecord) -> bool:
+    """bitsandbytes logs on import, as a warning, that its optional CPU kernel for 4-bit matmuls (from the `kernels`
+    package) is not installed. litft multiplies by 4-bit weights on CUDA only (method qlora needs a GPU), so that one
+    record is dropped; every other record of bitsandbytes passes."""
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
+
+
+# bitsandbytes is imported by the check below (an optimizer of bitsandbytes.optim), and by a 4-bit run
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_cpu_4bit_kernel_notice)
 
 
 def _check_optimizer(class_path: str, arg_names: list[str], problems: list[str]) -> None:
@@ -165,8 +274,8 @@ def _check_optimizer(class_path: str, arg_names: list[str], problems: list[str])
         return
     params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
     for name in arg_names:
-        if name not in params:
-            close = difflib.get_close_matches(name, params, n=1)
+        if name not in params:  # beside its arguments the optimizer section holds class_path and init_args
+            close = difflib.get_close_matches(name, params + ["class_path", "init_args"], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; it accepts: {', '.join(params)}"
             problems.append(f"optimizer.init_args: {class_name} has no argument '{name}'{hint}")
 
@@ -188,32 +297,36 @@ def _parse_cli_overrides(args: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def _check_keys(yaml_values: dict, overrides: list[tuple[str, str | None]]) -> None:
-    problems: list[str] = []
+def _check_keys(yaml_values: dict, overrides: list[tuple[str, str | None]], problems: list[str]) -> None:
+    """Pass 1 over the YAML's values (their optimizer section in the shape of _optimizer_section) and the overrides:
+    append every problem to `problems`."""
     _check_section(yaml_values, Recipe, "", problems)
 
     # The optimizer: class from the override, else the YAML, else the default; arguments from both.
     yaml_opt = yaml_values.get("optimizer") or {}
-    if not isinstance(yaml_opt, dict):
-        problems.append(f"optimizer: expected class_path and init_args, got {yaml_opt!r}")
-        yaml_opt = {}
-    for key in yaml_opt:
-        if key not in ("class_path", "init_args"):
-            problems.append(_unknown_key(f"optimizer.{key}", ["class_path", "init_args"]))
     yaml_class = yaml_opt.get("class_path") or OptimizerSpec().class_path
-    yaml_args = list((yaml_opt.get("init_args") or {}).keys())
+    yaml_args = list(yaml_opt.get("init_args", {}))
     cli_class, cli_args = None, []
+    spelled: dict[str, str] = {}  # setting -> how the overrides first spelled it
+
+    def once(setting: str, spelling: str) -> None:
+        first = spelled.setdefault(setting, spelling)
+        if first != spelling:
+            problems.append(f"{setting}: given twice, as {first} and {spelling}; give it once")
 
     for key, raw in overrides:
-        if key == "optimizer" or key == "optimizer.class_path":
-            cli_class = raw
-            continue
         if key == "optimizer.init_args":  # a whole mapping: --optimizer.init_args '{"lr": 1e-4, "foreach": true}'
             mapping = yaml.safe_load(raw) if raw else None
             if not isinstance(mapping, dict):
                 problems.append(f"optimizer.init_args: expected a mapping such as '{{\"lr\": 1e-4}}', got {raw!r}")
                 continue
+            for name in mapping:
+                once(_setting(f"optimizer.{name}"), f"--optimizer.init_args '{{\"{name}\": ...}}'")
             cli_args.extend(str(name) for name in mapping)
+            continue
+        once(_setting(key), f"--{key}")
+        if key == "optimizer" or key == "optimizer.class_path":
+            cli_class = raw
             continue
         if key.startswith("optimizer."):
             cli_args.append(key.removeprefix("optimizer.").removeprefix("init_args."))
@@ -247,8 +360,6 @@ def _check_keys(yaml_values: dict, overrides: list[tuple[str, str | None]]) -> N
         # rest (jsonargparse's rule), so only the recipe's class is held to the recipe's arguments.
         _check_optimizer(yaml_class, yaml_args, problems)
         _check_optimizer(cli_class, cli_args, problems)
-    if problems:
-        raise ConfigError(problems)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -299,21 +410,22 @@ def _optimizer_from_parsed(value: Any) -> OptimizerSpec:
     return OptimizerSpec(class_path=value["class_path"], init_args=dict(value.get("init_args") or {}))
 
 
-def _flatten_overrides(overrides: dict, prefix: str = "") -> list[str]:
-    """{'train': {'micro_batch_size': 8}} -> ['--train.micro_batch_size', '8'] (values as JSON, which YAML reads)."""
+def _as_args(values: dict, prefix: str = "") -> list[str]:
+    """{'train': {'micro_batch_size': 8}} -> ['--train.micro_batch_size', '8'] (values as JSON, which YAML reads);
+    the optimizer section in the shape of _optimizer_section -> --optimizer CLASS --optimizer.NAME VALUE. The YAML's
+    values and the keyword overrides reach jsonargparse this way, as the command line's do."""
     args: list[str] = []
-    for key, value in overrides.items():
+    for key, value in values.items():
         dotted = f"{prefix}{key}"
-        if dotted == "optimizer" and isinstance(value, dict):
+        if dotted == "optimizer":
             if "class_path" in value:
                 args += ["--optimizer", str(value["class_path"])]
-            init_args = value.get("init_args", {k: v for k, v in value.items() if k != "class_path"})
-            for name, arg in init_args.items():
+            for name, arg in value.get("init_args", {}).items():
                 args += [f"--optimizer.{name}", _cli_value(arg)]
         elif isinstance(value, dict):
-            args += _flatten_overrides(value, dotted + ".")
+            args += _as_args(value, dotted + ".")
         elif dataclasses.is_dataclass(value):
-            args += _flatten_overrides(dataclasses.asdict(value), dotted + ".")
+            args += _as_args(dataclasses.asdict(value), dotted + ".")
         else:
             args += [f"--{dotted}", _cli_value(value)]
     return args
@@ -338,31 +450,26 @@ def load_recipe(
     from jsonargparse import ArgumentError
 
     source = None
+    problems: list[str] = []
     yaml_values: dict = {}
-    argv: list[str] = []
     if name_or_path is not None:
         path = find_recipe(name_or_path)
         source = str(path)
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            raise ConfigError(f"cannot read the YAML: {err}", source=source) from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("a recipe must be a mapping of keys (model:, train:, ...)", source=source)
-        yaml_values = loaded or {}
-        argv += ["--config", str(path)]
-    extra = list(args or []) + _flatten_overrides(overrides)
+        yaml_values = read_recipe_file(path)
+        if "optimizer" in yaml_values:
+            yaml_values["optimizer"] = _optimizer_section(yaml_values["optimizer"], problems)
+    if "optimizer" in overrides:
+        overrides["optimizer"] = _optimizer_section(overrides["optimizer"], problems)
+    extra = list(args or []) + _as_args(overrides)
     if extra:  # a problem may be in the file or in an override: name both places to look
         source = f"{source} with overrides" if source else "overrides"
-    pairs = _parse_cli_overrides(extra)
-    try:
-        _check_keys(yaml_values, pairs)
-    except ConfigError as err:
-        raise ConfigError(err.problems, source=source) from None
+    _check_keys(yaml_values, _parse_cli_overrides(extra), problems)
+    if problems:
+        raise ConfigError(problems, source=source)
 
     parser = build_parser()
     try:
-        namespace = parser.parse_args(argv + extra)
+        namespace = parser.parse_args(_as_args(yaml_values) + extra)
     except ArgumentError as err:
         raise ConfigError(_tidy_jsonargparse_message(str(err)), source=source) from None
     values = plain(namespace)

@@ -135,26 +135,45 @@ def _model_problems(recipe: Recipe, check_paths: bool) -> list[str]:
             problems.append(f"model.name: '{m.name}' is not a LitGPT model name{hint}")
     if recipe.init == "pretrained":
         if m.checkpoint_dir is None:
+            repo = _repo_id(m.name, None)
             problems.append(
-                "model.checkpoint_dir: init pretrained needs a LitGPT checkpoint directory (get one with"
-                " `litgpt download <repo_id>`), or set init: random to measure with random weights"
+                f"model.checkpoint_dir: init pretrained needs a LitGPT checkpoint directory. {_download(repo, None)};"
+                f" or {_without_weights(m.name, repo)}"
             )
         elif check_paths:
-            problems += checkpoint_dir_problems(resolve_path(m.checkpoint_dir), "model.checkpoint_dir")
+            problems += checkpoint_dir_problems(resolve_path(m.checkpoint_dir), "model.checkpoint_dir", m.name)
     if check_paths:
-        tok_dir = resolve_path(m.tokenizer_dir or m.checkpoint_dir)
-        if tok_dir is None:
-            problems.append("model.tokenizer_dir: no tokenizer: set model.checkpoint_dir or model.tokenizer_dir")
-        elif tok_dir.is_dir() and not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
-            key = "model.tokenizer_dir" if m.tokenizer_dir else "model.checkpoint_dir"
-            problems.append(f"{key}: '{tok_dir}' has no tokenizer.json or tokenizer.model")
-        elif not tok_dir.is_dir() and recipe.init == "random":
-            key = "model.tokenizer_dir" if m.tokenizer_dir else "model.checkpoint_dir"
-            problems.append(f"{key}: '{tok_dir}' is not a directory (it should hold the tokenizer files)")
+        problems += _tokenizer_problems(recipe)
         for key, value in [("data.path", d.path), ("data.val_path", d.val_path)]:
             if value is not None and not resolve_path(value).is_file():
                 problems.append(f"{key}: no such file '{value}'")
     return problems
+
+
+def _tokenizer_problems(recipe: Recipe) -> list[str]:
+    """Where the tokenizer should be and is not. A pretrained model's tokenizer in its checkpoint directory is
+    the checkpoint directory's problem (checkpoint_dir_problems, or its absence), so it is reported once."""
+    m = recipe.model
+    if recipe.init == "pretrained" and m.tokenizer_dir is None:
+        return []
+    tok_dir = resolve_path(m.tokenizer_dir or m.checkpoint_dir)
+    use = ("set model.tokenizer_dir to a directory holding tokenizer.json or tokenizer.model (litft:demo/model, or"
+           " the model's own tokenizer)")
+    if tok_dir is None:
+        return [f"model.tokenizer_dir: no tokenizer: {use}"]
+    if m.tokenizer_dir is not None:
+        if not tok_dir.is_dir():
+            return [f"model.tokenizer_dir: '{tok_dir}' does not exist; {use}"]
+        if not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+            return [f"model.tokenizer_dir: '{tok_dir}' has no tokenizer.json or tokenizer.model; {use}"]
+        return []
+    # init random, the tokenizer read from checkpoint_dir
+    if not tok_dir.is_dir():
+        return [f"model.checkpoint_dir: '{tok_dir}' does not exist, and init random reads the tokenizer from it; {use}"]
+    if not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return [f"model.checkpoint_dir: '{tok_dir}' has no tokenizer.json or tokenizer.model, and init random reads the"
+                f" tokenizer from it; {use}"]
+    return []
 
 
 def parse_memory_cap(text: str, total_gib: float) -> float:
@@ -174,16 +193,17 @@ def parse_memory_cap(text: str, total_gib: float) -> float:
     return gib
 
 
-def checkpoint_dir_problems(path: Path, key: str) -> list[str]:
-    """What a LitGPT checkpoint directory lacks; never a download (a typo must not turn into network traffic)."""
+def checkpoint_dir_problems(path: Path, key: str, model_name: str | None = None) -> list[str]:
+    """What a LitGPT checkpoint directory lacks; never a download (a typo must not turn into network traffic). The
+    advice names the repo of `model_name` (a LitGPT model name), or of the directory when it is laid out as
+    `litgpt download` writes it."""
     if not path.is_dir():
         parent = path.parent
         close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1) if parent.is_dir() else []
         hint = f" Did you mean '{parent / close[0]}'?" if close else ""
-        return [
-            f"{key}: '{path}' does not exist.{hint} Download weights with `litgpt download <repo_id>` (e.g."
-            " TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T), or use init: random"
-        ]
+        repo = _repo_id(model_name, path)
+        return [f"{key}: '{path}' does not exist.{hint} {_download(repo, path)};"
+                f" or {_without_weights(model_name, repo)}"]
     missing = [f for f in _CHECKPOINT_FILES if not (path / f).is_file()]
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         missing.append("tokenizer.json or tokenizer.model")
@@ -193,3 +213,36 @@ def checkpoint_dir_problems(path: Path, key: str) -> list[str]:
             " model_config.yaml and the tokenizer (`litgpt download` writes all three)"
         ]
     return []
+
+
+def _repo_id(model_name: str | None, path: Path | None) -> str | None:
+    """The Hugging Face repo id (org/name) of a LitGPT model name (its Config's hf_config), else of a checkpoint
+    directory ORG/NAME that is a LitGPT model's repo; None when neither tells."""
+    from litgpt.config import name_to_config
+
+    repos = {name: f"{c['hf_config']['org']}/{c['hf_config']['name']}"
+             for name, c in name_to_config.items() if c.get("hf_config")}
+    if model_name in repos:
+        return repos[model_name]
+    if path is not None and f"{path.parent.name}/{path.name}" in repos.values():
+        return f"{path.parent.name}/{path.name}"
+    return None
+
+
+def _download(repo: str | None, path: Path | None) -> str:
+    """How to get the weights: `litgpt download REPO`, which writes checkpoints/REPO."""
+    if repo is None:
+        return "Download the weights with `litgpt download <repo_id>` (`litgpt download list` lists the repo ids)"
+    written = Path("checkpoints") / repo
+    where = "" if path == written else f" (it writes {written}: set model.checkpoint_dir to it)"
+    return f"Download the weights with `litgpt download {repo}`{where}"
+
+
+def _without_weights(model_name: str | None, repo: str | None) -> str:
+    """The whole command-line alternative to downloading weights: random weights of the named architecture with a
+    tokenizer (speed and memory do not depend on the weights' values)."""
+    name = "" if model_name else " --model.name NAME (a LitGPT model name, e.g. open_llama_7b)"
+    own = (f"; the model's own tokenizer comes with `litgpt download {repo} --tokenizer_only true`, then"
+           f" --model.tokenizer_dir checkpoints/{repo}") if repo else ""
+    return (f"measure speed and memory with random weights: --init random{name} --model.tokenizer_dir litft:demo/model"
+            f" (the demo's tokenizer{own})")
