@@ -4,7 +4,6 @@ its kind (docs/design.md): 2 config/usage, 3 non-finite loss, 4 out of memory, 5
 from __future__ import annotations
 
 import difflib
-import shutil
 import sys
 from pathlib import Path
 
@@ -303,8 +302,10 @@ def cmd_cp(args: list[str]) -> int:
         dest = dest / source.name
     if dest.exists() and not force:
         raise ConfigError(f"'{dest}' exists; pass --force to replace it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, dest)
+    from litft.files import make_dir, write_text_atomic
+
+    make_dir(dest.parent, "the recipe's folder", setting="the destination")
+    write_text_atomic(dest, source.read_text(encoding="utf-8"), what="the recipe copy", setting="the destination")
     print(f"copied {source.name} -> {dest}; run it with: litft finetune --config {dest}")
     return 0
 

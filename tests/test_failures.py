@@ -107,3 +107,36 @@ def test_too_little_disk_for_the_final_weights_exits_6_before_the_model_is_built
     assert code == 6, err
     assert "not enough disk space for the final weights" in err and "1.0 KiB" not in err
     assert "model:" not in out and not out_dir.exists() and "Traceback" not in err
+
+
+def test_cp_into_a_path_under_a_file_exits_6_and_a_checkpoint_dir_that_is_a_file_says_so(tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    assert main(["cp", "demo", str(blocker / "mine.yaml")]) == 6
+    err = capsys.readouterr().err
+    assert "is a file where a folder belongs" in err and "Traceback" not in err
+    assert main(["validate", "demo", "--check-files", "--model.checkpoint_dir", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert f"'{blocker}' is a file, not a checkpoint directory" in err and "does not exist" not in err
+
+
+def test_ctrl_c_exits_130_with_one_line_and_a_result_that_says_failed(tmp_path):
+    """An interrupted run (SIGINT, as Ctrl-C sends it) ends with exit 130 and one line, no traceback (DataLoader
+    workers included), and its result.json says the run failed rather than looking like a result."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "litft.cli", "finetune", "--config", "demo", "--out_dir",
+                             str(out_dir), "--train.epochs", "50", "--logging.progress", "plain"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 1200  # a guard against a hang: wait until training has begun
+    while time.time() < deadline and not (out_dir / "metrics.jsonl").is_file() and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=1200)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in out + err and "litft finetune: interrupted" in err
+    assert json.loads((out_dir / "result.json").read_text())["status"] == "failed"

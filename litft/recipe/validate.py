@@ -200,9 +200,10 @@ def checkpoint_dir_problems(path: Path, key: str, model_name: str | None = None)
     if not path.is_dir():
         parent = path.parent
         close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1) if parent.is_dir() else []
-        hint = f" Did you mean '{parent / close[0]}'?" if close else ""
+        hint = f" Did you mean '{parent / close[0]}'?" if close and parent / close[0] != path else ""
         repo = _repo_id(model_name, path)
-        return [f"{key}: '{path}' does not exist.{hint} {_download(repo, path)};"
+        what = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
+        return [f"{key}: '{path}' {what}.{hint} {_download(repo, path)};"
                 f" or {_without_weights(model_name, repo)}"]
     missing = [f for f in _CHECKPOINT_FILES if not (path / f).is_file()]
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
