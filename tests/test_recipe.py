@@ -371,3 +371,23 @@ def test_a_missing_tokenizer_is_reported_once(tmp_path):
     assert [p for p in problems if "tokenizer" in p] == [
         f"model.checkpoint_dir: '{tmp_path}/ckpt' lacks tokenizer.json or tokenizer.model; a LitGPT checkpoint"
         " directory holds lit_model.pth, model_config.yaml and the tokenizer (`litgpt download` writes all three)"]
+
+
+def test_negative_evaluation_and_logging_counts_are_refused(tiny_recipe):
+    with pytest.raises(ConfigError) as info:
+        tiny_recipe(eval={"max_batches": -1}, logging={"skip_steps": -2, "gpu_sample_interval": -0.5})
+    assert info.value.problems == [
+        "eval.max_batches: must be at least 1 or null (the whole set), got -1",
+        "logging.skip_steps: must be 0 or more, got -2",
+        "logging.gpu_sample_interval: must be 0 or more, got -0.5",
+    ]
+
+
+def test_yaml_syntax_errors_are_one_line_with_the_place(tmp_path, capsys):
+    from litft.cli import main
+
+    recipe = tmp_path / "tabs.yaml"
+    recipe.write_text("train:\n\tmicro_batch_size: 4\n")
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 2, column 1" in err and "spaces, not tabs" in err

@@ -80,7 +80,7 @@ def read_recipe_file(path: Path) -> dict:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         values = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"cannot read the YAML: {err}", source=source) from None
+        raise ConfigError(f"cannot read the YAML: {_yaml_problem(err)}", source=source) from None
     if values is None:  # no document: the file is empty or only comments ('{}' is a recipe of the defaults)
         raise ConfigError("the file is empty: a recipe is a mapping of keys (model:, method:, train:, ...);"
                           " `litft show demo` prints a complete one", source=source)
@@ -90,6 +90,15 @@ def read_recipe_file(path: Path) -> dict:
     if problems:
         raise ConfigError(problems, source=source)
     return values
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: 'line L, column C: what' (its own text spans several lines with a caret)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    hint = " (YAML indents with spaces, not tabs)" if "\\t" in problem or "'\\t'" in problem else ""
+    return f"{where}{problem}{hint}"
 
 
 def _keys_given_twice(node: yaml.Node, prefix: str = "") -> list[str]:

@@ -68,6 +68,13 @@ def _value_problems(recipe: Recipe) -> list[str]:
         problems.append(f"train.max_grad_norm: must be positive or null, got {t.max_grad_norm}")
     if recipe.eval.interval < 0:
         problems.append(f"eval.interval: must be 0 or more, got {recipe.eval.interval}")
+    if recipe.eval.max_batches is not None and recipe.eval.max_batches < 1:
+        problems.append(f"eval.max_batches: must be at least 1 or null (the whole set), got {recipe.eval.max_batches}")
+    for key, value in (("logging.skip_steps", recipe.logging.skip_steps),
+                       ("logging.memory_snapshot", recipe.logging.memory_snapshot),
+                       ("logging.gpu_sample_interval", recipe.logging.gpu_sample_interval)):
+        if value < 0:
+            problems.append(f"{key}: must be 0 or more, got {value}")
     if d.val_path is None and not 0.0 < d.val_split < 1.0:
         problems.append(f"data.val_split: must be within (0, 1) when data.val_path is unset, got {d.val_split}")
     if d.num_workers < 0:
