@@ -131,7 +131,10 @@ def test_ctrl_c_exits_130_with_one_line_and_a_result_that_says_failed(tmp_path):
     out_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "litft.cli", "finetune", "--config", "demo", "--out_dir",
                              str(out_dir), "--train.epochs", "50", "--logging.progress", "plain"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # A shell that starts the tests in the background ignores SIGINT for them, and Python then
+                            # keeps it ignored: give the run the disposition a terminal's foreground process has.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 1200  # a guard against a hang: wait until training has begun
     while time.time() < deadline and not (out_dir / "metrics.jsonl").is_file() and proc.poll() is None:
         time.sleep(0.2)
