@@ -9,6 +9,11 @@ A checkpoint is a folder out_dir/checkpoints/step-NNNNNN holding:
     config.yaml     the resolved recipe
     COMMIT.json     written last: step, config hash, litft version, every file with its size and sha256
 
+Under FSDP and DeepSpeed, trainable.pth and optimizer.pth are replaced by the folder `sharded/`, where every rank
+writes its own part of the weights and optimizer state (fabric.save: torch.distributed.checkpoint files for FSDP,
+DeepSpeed's own for ZeRO; one file gathered on rank 0 with strategy.fsdp.checkpoint 'full'). COMMIT.json lists every
+file of every rank. A sharded checkpoint resumes on the same strategy and number of devices.
+
 It is written into a temporary folder beside it, every file fsynced, COMMIT.json last, then renamed into place and
 the parent folder fsynced. A folder without COMMIT.json, or whose files do not match it, is never resumed from. Old
 checkpoints are deleted only after their successor is committed (train.keep_last_n).
@@ -48,6 +53,7 @@ from litft.recipe import Recipe, config_hash, recipe_to_dict, recipe_to_yaml, re
 
 COMMIT = "COMMIT.json"
 FILES = ("trainable.pth", "optimizer.pth", "state.pth", "config.yaml")
+SHARDED = "sharded"
 
 
 def checkpoints_dir(out_dir: Path) -> Path:
@@ -109,11 +115,7 @@ def save_checkpoint(out_dir: Path, recipe: Recipe, step: int, trainable: dict, o
         delay = float(os.environ.get("LITFT_TEST_SAVE_DELAY", "0"))  # tests kill a run inside this window
         if delay:
             time.sleep(delay)
-        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in FILES}
-        import litft
-
-        commit = {"step": step, "config_hash": config_hash(recipe), "litft": litft.__version__, "files": files}
-        (tmp / COMMIT).write_text(json.dumps(commit, indent=2), encoding="utf-8")
+        _write_commit(tmp, recipe, step)
 
     final = root / f"step-{step:06d}"
     write_dir_atomic(final, write, what, tmp=root / f".tmp-step-{step:06d}-{uuid.uuid4().hex[:8]}",
@@ -122,6 +124,53 @@ def save_checkpoint(out_dir: Path, recipe: Recipe, step: int, trainable: dict, o
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):  # leftovers of a killed save
         shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def _write_commit(folder: Path, recipe: Recipe, step: int) -> None:
+    """COMMIT.json: the step, the config hash, litft's version and every file in the folder with its size and
+    sha256 (written last: a folder without it is not a checkpoint)."""
+    import litft
+
+    files = {str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+             for file in sorted(folder.rglob("*")) if file.is_file()}
+    commit = {"step": step, "config_hash": config_hash(recipe), "litft": litft.__version__, "files": files}
+    (folder / COMMIT).write_text(json.dumps(commit, indent=2), encoding="utf-8")
+
+
+def save_sharded_checkpoint(fabric, out_dir: Path, recipe: Recipe, step: int, model, optimizer, state: dict,
+                            keep_last_n: int) -> Path:
+    """FSDP and DeepSpeed: every rank writes its part of the weights and optimizer state into one temporary folder
+    (fabric.save), then rank 0 adds state.pth, config.yaml and COMMIT.json and renames the folder into place."""
+    from litft.files import fsync_dir, fsync_file
+
+    root = checkpoints_dir(out_dir)
+    what = f"the step-{step:06d} checkpoint"
+    tmp = Path(fabric.broadcast(str(root / f".tmp-step-{step:06d}-{uuid.uuid4().hex[:8]}")))
+    final = root / f"step-{step:06d}"
+    if fabric.global_rank == 0:
+        make_dir(root, "the checkpoints folder")
+        with writing(what, tmp):
+            tmp.mkdir()
+    fabric.barrier()
+    with writing(what, tmp, note="The previous checkpoints are untouched"):
+        fabric.save(tmp / SHARDED, {"model": model, "optimizer": optimizer})
+    fabric.barrier()
+    if fabric.global_rank == 0:
+        with writing(what, final, note="The previous checkpoints are untouched"):
+            torch_save(state, tmp / "state.pth")
+            (tmp / "config.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    fsync_file(file)
+            _write_commit(tmp, recipe, step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(root)
+        for old in committed_checkpoints(out_dir)[:-max(1, keep_last_n)]:
+            shutil.rmtree(old, ignore_errors=True)
+    fabric.barrier()
     return final
 
 
@@ -167,10 +216,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         loaded = {
             name.split(".")[0]: torch.load(path / name, map_location="cpu", weights_only=False)
-            for name in FILES if name.endswith(".pth")
+            for name in FILES if name.endswith(".pth") and (path / name).is_file()
         }
     except Exception as err:
         raise CheckpointError(f"checkpoint '{path}' cannot be loaded: {type(err).__name__}: {err}") from None
+    loaded["sharded"] = path / SHARDED if (path / SHARDED).exists() else None
     loaded["config"] = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
     loaded["commit"] = commit
     loaded["path"] = path
@@ -226,13 +276,18 @@ def resume_differences(saved: dict, recipe: Recipe) -> tuple[list[str], list[str
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def save_final(fabric, recipe: Recipe, config, gpt: torch.nn.Module, out_dir: Path) -> None:
+def save_final(fabric, recipe: Recipe, config, gpt: torch.nn.Module, out_dir: Path, model=None) -> None:
     """out_dir/final: lit_model.pth (full) or lit_model.pth.lora (adapter), with the files LitGPT's tools need; with
     recipe.merge, final/merged too. A folder left by an earlier run is removed, then the disk's free space checked;
-    a failed save removes what it wrote: out_dir holds this run's final folder whole, or none."""
+    a failed save removes what it wrote: out_dir holds this run's final folder whole, or none. After a sharded run
+    (``model``: the FSDP or DeepSpeed module) the weights are gathered into whole tensors on rank 0 first: the same
+    files as after a one-device run."""
     final = out_dir / "final"
     is_lora = recipe.method in ("lora", "qlora")
-    state = trainable_state_dict(gpt) if is_lora else gpt.state_dict()
+    if model is not None:
+        state = consolidated_state_dict(fabric, recipe, model)
+    else:
+        state = trainable_state_dict(gpt) if is_lora else gpt.state_dict()
     if fabric.global_rank == 0:
         base = merge_base(recipe)
         if is_lora and recipe.merge and base is None:
@@ -252,6 +307,34 @@ def save_final(fabric, recipe: Recipe, config, gpt: torch.nn.Module, out_dir: Pa
             shutil.rmtree(final, ignore_errors=True)  # no weights without their files, no half of a merge
             raise
     fabric.barrier()
+
+
+def consolidated_state_dict(fabric, recipe: Recipe, model) -> dict[str, torch.Tensor]:
+    """The whole weights of a sharded model on rank 0, in LitGPT's names (every rank takes part in the gathering;
+    the other ranks get an empty dict). FSDP: its full state dict, offloaded to the CPU; DeepSpeed ZeRO-3: its
+    16-bit consolidation; ZeRO-2 keeps whole weights on every rank. LoRA: the adapters only."""
+    module = model.module if hasattr(model, "module") else model  # inside Fabric's wrapper
+    if recipe.strategy.name == "fsdp":
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+            state = module.state_dict()
+    elif recipe.strategy.deepspeed.stage == 3:
+        state = module._zero3_consolidated_16bit_state_dict()
+    else:
+        state = module.module.state_dict() if hasattr(module, "module") else module.state_dict()
+    if fabric.global_rank != 0 or state is None:
+        return {}
+    clean = {}
+    for key, value in state.items():
+        for wrapper in ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+            key = key.replace(wrapper, "")
+        clean[key.removeprefix("gpt.")] = value
+    if recipe.method in ("lora", "qlora"):
+        clean = {k: v for k, v in clean.items() if "lora_" in k}
+    return {k: v for k, v in clean.items() if k not in ("cos", "sin")}
 
 
 def merge_base(recipe: Recipe) -> Path | None:

@@ -19,8 +19,7 @@ commands:
   validate NAME|PATH [--check-files] [--key value ...]
                                               check a recipe and overrides without running it; --check-files:
                                               the files it names must be there too
-  estimate --config NAME|PATH [--gpu-memory 80] [--sharding none|zero2|zero3]
-           [--offload none|optimizer|optimizer+params] [--json] [--key value ...]
+  estimate --config NAME|PATH [--gpu-memory 80] [--json] [--key value ...]
                                               predicted GPU memory, part by part, and what would fit
   finetune --config NAME|PATH [--key value ...] [--overwrite] [--resume auto|CHECKPOINT]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
@@ -141,8 +140,12 @@ def cmd_estimate(args: list[str]) -> int:
     from litft.recipe import load_recipe, parse_memory_cap
 
     gpu_memory = _take_option(args, "--gpu-memory")
-    sharding = _take_option(args, "--sharding") or "none"
-    offload = _take_option(args, "--offload") or "none"
+    retired_options = {"--sharding": "--strategy fsdp or deepspeed_stage_3",
+                       "--offload": "--strategy deepspeed_stage_3_offload"}
+    for retired, key in retired_options.items():
+        if _take_option(args, retired) is not None:
+            raise ConfigError(f"{retired}: estimate plans the recipe's own strategy now; set it as a recipe key,"
+                              f" e.g. {key}")
     as_json = _take_flag(args, "--json")
     config = _take_option(args, "--config")
     if config is None:
@@ -162,10 +165,10 @@ def cmd_estimate(args: list[str]) -> int:
 
         total = torch.cuda.get_device_properties(0).total_memory / units.GIB if torch.cuda.is_available() else 80.0
         budget = parse_memory_cap(recipe.memory_cap, total)
-    try:
-        est = estimate_memory(recipe, sharding=sharding, offload=offload)
-    except ValueError as err:  # a sharding/offload choice that does not exist or does not combine
-        raise ConfigError(f"--sharding/--offload: {err}") from None
+    from litft.memory.ledger import strategy_sharding
+
+    est = estimate_memory(recipe)
+    sharding, offload = strategy_sharding(recipe)
     sharded = sharding != "none"
     fits = what_would_fit(recipe, budget) if budget is not None and est.device_gib > budget and not sharded else []
     if as_json:
@@ -173,10 +176,10 @@ def cmd_estimate(args: list[str]) -> int:
                                  "sharding": sharding, "offload": offload}, indent=2))
         return 0
     print(f"{config}: {recipe.method} {recipe.precision}, {recipe.batch_arithmetic()}")
-    if sharded:
-        print(f"planned: {sharding} over {recipe.devices} GPU(s), offload {offload} (a plan for an FSDP or DeepSpeed"
-              " run; litft's own loop replicates the model, DDP)")
-    print(f"predicted GPU memory per device ({recipe.devices} device(s)), {sized_for(est.tokens)}"
+    if sharded or offload != "none":
+        print(f"strategy: {recipe.strategy.name} over {recipe.world_size} GPU(s), sharded like {sharding}, offload"
+              f" {offload}; host RAM {units.gib(est.host_gib)} per node")
+    print(f"predicted GPU memory per device ({recipe.world_size} device(s)), {sized_for(est.tokens)}"
           f" ({_positions_bound(recipe)}):")
     print("\n".join(est.lines()))
     for note in est.notes:
@@ -192,7 +195,7 @@ def cmd_estimate(args: list[str]) -> int:
                 print(f"  - {f['change']}: {units.gib(f['device_gib'])} (-{units.gib(f['saving_gib'])})")
         elif est.device_gib > budget:
             print("no single change or pair of changes fits; consider more GPUs with sharding (e.g. --devices 4"
-                  " --sharding zero3) or a smaller model")
+                  " --strategy fsdp) or a smaller model")
     return 0
 
 

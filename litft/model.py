@@ -101,16 +101,20 @@ def _logical_numel(p: torch.Tensor) -> int:
     quant_state = getattr(p, "quant_state", None)
     if quant_state is not None and getattr(quant_state, "shape", None) is not None:
         return int(torch.Size(quant_state.shape).numel())
-    return p.numel()
+    return getattr(p, "ds_numel", p.numel())  # a DeepSpeed ZeRO-3 parameter holds only its partition
 
 
-def build_model(fabric, recipe: Recipe, config) -> torch.nn.Module:
+def build_model(fabric, recipe: Recipe, config, strategy: str = "single") -> torch.nn.Module:
     """Create the model on the device (in the precision's dtype), then load or keep random weights, then freeze.
 
     Pretrained weights: the modules are created empty (no wasted init) and filled from lit_model.pth.
     Random weights: the modules keep PyTorch's default init, which is enough to measure speed and memory.
     4-bit (qlora): Fabric's BitsandbytesPrecision swaps nn.Linear for bitsandbytes layers at creation and quantizes
     weights as they are created or loaded.
+    FSDP: the modules are created on the meta device (no memory); FSDP materialises each block's shard on its GPU
+    (each module's reset_parameters: random weights), and pretrained weights are loaded into the shards after
+    (load_into_fsdp). DeepSpeed ZeRO-3: each weight is partitioned as it is created (deepspeed.zero.Init), and
+    pretrained weights are copied in one module at a time (load_into_zero3).
     """
     if recipe.method in ("lora", "qlora"):
         from litgpt.lora import GPT, mark_only_lora_as_trainable
@@ -120,9 +124,12 @@ def build_model(fabric, recipe: Recipe, config) -> torch.nn.Module:
         mark_only_lora_as_trainable = None
 
     pretrained = recipe.init == "pretrained"
-    with fabric.init_module(empty_init=pretrained):
+    zero3 = strategy == "deepspeed" and recipe.strategy.deepspeed.stage == 3
+    with fabric.init_module(empty_init=pretrained or strategy == "fsdp" or zero3):
         model = GPT(config)
-    if pretrained:
+    if pretrained and zero3:
+        load_into_zero3(fabric, model, resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth")
+    elif pretrained and strategy != "fsdp":
         is_lora = mark_only_lora_as_trainable is not None
         load_weights(model, resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth", lora=is_lora)
         if is_lora:
@@ -132,6 +139,45 @@ def build_model(fabric, recipe: Recipe, config) -> torch.nn.Module:
     if mark_only_lora_as_trainable is not None:
         mark_only_lora_as_trainable(model)
     return model
+
+
+def load_into_fsdp(fabric, model, path: Path) -> None:
+    """Pretrained weights into an FSDP-wrapped CausalLM (after fabric.setup_module): every rank reads the checkpoint
+    memory-mapped and FSDP copies each rank's shard out of it. The adapters (LoRA) are not in it: they keep the
+    initialisation FSDP gave them (A random, B zero)."""
+    from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+
+    state = _read_state(path)
+    root = model.module if hasattr(model, "module") else model  # the FSDP root inside Fabric's wrapper
+    _load_raw_module_state({f"gpt.{k}": v for k, v in state.items()}, module=root, world_size=fabric.world_size,
+                           strict=False)
+
+
+def load_into_zero3(fabric, model, path: Path) -> None:
+    """Pretrained weights into a model partitioned by deepspeed.zero.Init: each module's weights are gathered, rank 0
+    copies the checkpoint's values in, and DeepSpeed partitions them again (one module's weights whole at a time)."""
+    import deepspeed
+
+    state = _read_state(path) if fabric.global_rank == 0 else {}
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+            if fabric.global_rank == 0:
+                with torch.no_grad():
+                    for pname, p in params.items():
+                        key = f"{name}.{pname}" if name else pname
+                        if key in state:
+                            p.copy_(state[key])
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as err:  # a truncated or foreign file: name it and the reason
+        raise CheckpointError(f"cannot read '{path}': {type(err).__name__}: {err}") from None
+    return state.get("model", state)
 
 
 def settle_4bit_compute_dtype(model: torch.nn.Module, precision: str) -> None:
@@ -161,11 +207,7 @@ def init_adapters(model: torch.nn.Module) -> None:
 
 def load_weights(model: torch.nn.Module, path: Path, lora: bool) -> None:
     """Load a LitGPT state dict strictly, except that a LoRA model's adapters are not in a base checkpoint."""
-    try:
-        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception as err:  # a truncated or foreign file: name it and the reason
-        raise CheckpointError(f"cannot read '{path}': {type(err).__name__}: {err}") from None
-    state = state.get("model", state)
+    state = _read_state(path)
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # torch lists every weight whose shape differs: the config describes another model
@@ -257,6 +299,9 @@ class CausalLM(torch.nn.Module):
         from litft.data import GRAPH_MULTIPLE
 
         self.max_seq_length = max(max_seq_length, GRAPH_MULTIPLE)
+        self.reducer = None
+        """DDP: litft.train.reduce.GradientReducer, told of each block's input so it can average gradients as the
+        backward pass finishes each block."""
 
     def hidden(self, input_ids, positions=None, packed: Packed | None = None) -> torch.Tensor:
         gpt = self.gpt
@@ -280,7 +325,9 @@ class CausalLM(torch.nn.Module):
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
         if self.fused_residual_norms and kernels.available(x):
             return self._hidden_fused(x, cos, sin, packed)
-        for block in gpt.transformer.h:
+        for i, block in enumerate(gpt.transformer.h):
+            if self.reducer is not None:
+                self.reducer.block_started(i, x)
             x = block(x, cos, sin, packed)
         return gpt.transformer.ln_f(x)
 
@@ -291,6 +338,8 @@ class CausalLM(torch.nn.Module):
         normed = blocks[0].norm_1(x)
         residual = x
         for i, block in enumerate(blocks):
+            if self.reducer is not None:  # block i's first norm is in the add before: its gradient comes later
+                self.reducer.block_started(i, normed)
             attention = block.attn(normed, cos, sin, packed)
             residual, normed = AddRMSNorm.apply(residual, attention, rms_norm_weight(block.norm_2), block.norm_2.eps)
             mlp = block.mlp(normed)

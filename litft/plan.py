@@ -76,6 +76,12 @@ class Plan:
     world_size: int
     precision: Precision
     method: str
+    strategy: str
+    """strategy.name as it runs: 'single' (one device), 'ddp', 'fsdp' or 'deepspeed'."""
+    reduces_gradients: bool
+    """DDP without torch's DDP wrapper: litft averages the gradients itself, once per optimizer step, block by block
+    as the last micro-batch's backward pass finishes them (litft.train.reduce), so that CUDA graphs, gradients
+    written by the matmul and the fused step all run as on one device."""
 
     # ---- data ----
     packing: bool
@@ -141,6 +147,11 @@ class Plan:
             parts.append("the loss in a Triton kernel")
         if self.method != "full":
             parts.append(f"LoRA layers {'fast' if lay.fast_lora else 'LitGPT'}")
+        if self.reduces_gradients:
+            parts.append(f"DDP over {self.world_size} ranks, gradients averaged by litft block by block in each step's"
+                         " last backward pass")
+        elif self.strategy in ("fsdp", "deepspeed"):
+            parts.append(f"{self.strategy} over {self.world_size} rank(s)")
         return ", ".join(parts)
 
     def loss_read(self) -> str:
@@ -182,13 +193,16 @@ def resolve(recipe: Recipe, config, device: str, world_size: int, *, device_name
     if t.triton_kernels and cuda and not triton_available:
         notes.append("train.triton_kernels is on but Triton is not installed: torch ops run instead")
 
-    graphs = _cuda_graphs(t.cuda_graphs, device, world_size)
+    strategy = "single" if world_size == 1 and recipe.strategy.name in ("auto", "ddp") else (
+        "ddp" if recipe.strategy.name == "auto" else recipe.strategy.name)
+    sharded = strategy in ("fsdp", "deepspeed")
+    graphs = _cuda_graphs(t.cuda_graphs, device, strategy)
     compiled, compile_why = _compile(recipe, config, device, world_size, graphs, device_name, data_stats,
-                                     triton_available)
+                                     triton_available, strategy)
     triton = t.triton_kernels and cuda and triton_available  # the loss's and AdamW's kernels: compiled runs too
     triton_layers = triton and not compiled  # compiled blocks fuse SwiGLU and RoPE themselves
     fast_attention = t.fast_attention and fast_attention_fits(config)
-    grad_into_weights = (t.grad_into_weights and not precision.mixed and world_size == 1 and not compiled)
+    grad_into_weights = t.grad_into_weights and not precision.mixed and not sharded and not compiled
     fused_lora = (triton_layers and grad_into_weights and t.fast_lora and recipe.method in ("lora", "qlora")
                   and precision.half_compute)
     fused_lora_mlp = (fused_lora and "mlp" in recipe.lora.targets
@@ -205,15 +219,19 @@ def resolve(recipe: Recipe, config, device: str, world_size: int, *, device_name
     )
     pack_steps = d.pack_steps and d.packing
     step_capacity = (d.pack_capacity or t.micro_batch_size * d.max_seq_length) if pack_steps else None
-    fused_step, step_scales, triton_adamw = _optimizer_step(recipe, precision, cuda, triton)
+    fused_step, step_scales, triton_adamw = _optimizer_step(recipe, precision, cuda, triton, sharded)
+    if sharded and t.cuda_graphs == "auto" and cuda:
+        notes.append(f"CUDA graphs off under {strategy}: its gathers and reductions run from hooks on the host,"
+                     " between the kernels a graph would replay")
     return Plan(
-        device=device, world_size=world_size, precision=precision, method=recipe.method,
+        device=device, world_size=world_size, precision=precision, method=recipe.method, strategy=strategy,
+        reduces_gradients=strategy == "ddp",
         packing=d.packing, pack_steps=pack_steps, fit_steps=pack_steps and d.fit_steps, step_capacity=step_capacity,
         loader_batch_size=t.micro_batch_size * (recipe.grad_accum if pack_steps else 1),
         cuda_graphs=graphs, compile=compiled, compile_why=compile_why,
         activation_checkpointing=t.activation_checkpointing, loss_chunk=t.loss_chunk, triton_loss=triton,
         fused_residual_norms=(triton_layers and t.fused_rms_norm and not t.activation_checkpointing
-                              and residual_norms_fuse(config)),
+                              and not sharded and residual_norms_fuse(config)),  # FSDP/ZeRO-3 wrap whole blocks
         stack_fc_weights=layers.fused_lora_mlp and recipe.method == "lora",
         layers=layers, fused_step=fused_step, step_scales=step_scales, triton_adamw=triton_adamw,
         notes=tuple(notes),
@@ -231,17 +249,18 @@ def plan_for_estimate(recipe: Recipe, config, compiled: bool | None = None) -> P
         triton_available=True)
 
 
-def _cuda_graphs(mode: str, device: str, world_size: int) -> bool:
-    """train.cuda_graphs: 'auto' on one CUDA device (DDP's all-reduce hooks run inside backward, eagerly)."""
-    possible = device == "cuda" and world_size == 1
+def _cuda_graphs(mode: str, device: str, strategy: str) -> bool:
+    """train.cuda_graphs: 'auto' on CUDA, one device or DDP (litft's gradient reduction is captured with the
+    micro-step); not under FSDP or DeepSpeed, whose gathers run from host-side hooks."""
+    possible = device == "cuda" and strategy in ("single", "ddp")
     if mode == "always" and not possible:
-        raise ConfigError("train.cuda_graphs: 'always' needs a single CUDA device (this run has"
-                          f" {world_size} x {device}); use 'auto' or 'never'")
+        raise ConfigError(f"train.cuda_graphs: 'always' needs CUDA and one device or DDP (this run: {strategy} on"
+                          f" {device}); use 'auto' or 'never'")
     return possible and mode != "never"
 
 
 def _compile(recipe: Recipe, config, device: str, world_size: int, graphs: bool, device_name: str | None,
-             data_stats, triton_available: bool) -> tuple[bool, str]:
+             data_stats, triton_available: bool, strategy: str) -> tuple[bool, str]:
     """train.compile, and why when 'auto' decided. 'auto': never on the CPU (inductor's C++ compile costs minutes for
     little gain); on CUDA without CUDA graphs, compiled (compiling also cuts the host's launch overhead); with CUDA
     graphs, eager where litft's Triton kernels run (eager blocks with them measured faster than compiled ones),
@@ -251,6 +270,8 @@ def _compile(recipe: Recipe, config, device: str, world_size: int, graphs: bool,
         return mode == "always", ""
     if device != "cuda" or data_stats is None:  # a plan without a run: as `estimate` assumes, eager
         return False, ""
+    if strategy == "deepspeed":
+        return False, "auto: DeepSpeed's engine runs eager blocks"
     if not graphs:
         return True, ""
     if recipe.train.triton_kernels and triton_available:
@@ -292,7 +313,8 @@ def weights_per_token(config) -> int:
     return config.n_layer * (attention + mlp) + config.padded_vocab_size * config.n_embd
 
 
-def _optimizer_step(recipe: Recipe, precision: Precision, cuda: bool, triton: bool) -> tuple[bool, bool, bool]:
+def _optimizer_step(recipe: Recipe, precision: Precision, cuda: bool, triton: bool,
+                    sharded: bool) -> tuple[bool, bool, bool]:
     """(fused_step, step_scales, triton_adamw). torch's AdamW, Adam and SGD run fused on CUDA unless the recipe set
     fused or foreach itself (a None is no choice: jsonargparse fills in the class defaults, None included). A fused
     torch step takes grad_scale and found_inf on the device where each rank holds whole parameters (one device,
@@ -302,7 +324,7 @@ def _optimizer_step(recipe: Recipe, precision: Precision, cuda: bool, triton: bo
     args = recipe.optimizer.init_args
     fusable = cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
     fused = bool(args.get("fused")) or (fusable and cuda and args.get("fused") is None and args.get("foreach") is None)
-    whole_parameters = recipe.strategy in ("auto", "ddp") and not precision.loss_scaled
+    whole_parameters = not sharded and not precision.loss_scaled
     step_scales = fused and fusable and whole_parameters  # their fused kernels take grad_scale and found_inf
     triton_adamw = triton and whole_parameters and cls is torch.optim.AdamW and fused and not args.get("amsgrad")
     return fused, step_scales, triton_adamw

@@ -101,6 +101,11 @@ def print_summary(result: dict) -> None:
         ("wall time", " | ".join(f"{k} {v:.1f}s" for k, v in result["phases_s"].items())),
         ("out_dir", result["out_dir"]),
     ]
+    for rank in mem.get("per_rank") or []:
+        memory = (f"{units.gib(rank['peak_allocated_gib'])} allocated, {units.gib(rank['peak_reserved_gib'])} reserved"
+                  if rank["peak_allocated_gib"] is not None else "no device memory")
+        figures = f"{units.rate(rank['tokens_per_sec'])} tok/s, {memory}, host RSS {units.gib(rank['host_peak_rss_gib'])}"
+        rows.append((f"rank {rank['rank']}", figures))
     if not t["steady_state"]:
         rows.append(("note", "run too short to skip warm-up steps: throughput includes them"))
     for name, value in rows:

@@ -192,15 +192,35 @@ def test_ledger_offload_moves_optimizer_state_and_fp32_master_to_the_host(tiny):
         estimate_memory(r, compiled=False, sharding="zero2", offload="optimizer+params")
 
 
-def test_estimate_cli_plans_a_sharded_run(capsys):
+def test_estimate_cli_plans_the_recipes_strategy(capsys):
     from litft.cli import main
 
     assert main(["estimate", "--config", "open-llama-13b-full", "--gpu-memory", "80", "--devices", "4",
-                 "--sharding", "zero3"]) == 0
+                 "--strategy", "fsdp"]) == 0
     out = capsys.readouterr().out
-    assert "planned: zero3 over 4 GPU(s)" in out and "fits in 80.00 GiB" in out and "sharded over 4 GPUs" in out
-    assert main(["estimate", "--config", "open-llama-13b-full", "--sharding", "zero4"]) == 2
-    assert "choose one of none, zero2, zero3" in capsys.readouterr().err
+    assert "strategy: fsdp over 4 GPU(s), sharded like zero3" in out and "fits in 80.00 GiB" in out
+    assert "sharded over 4 GPUs" in out
+    assert main(["estimate", "--config", "open-llama-13b-full", "--sharding", "zero3"]) == 2
+    assert "set it as a recipe key, e.g. --strategy fsdp" in capsys.readouterr().err
+
+
+def test_ledger_deepspeed_keeps_fp32_master_weights_and_moments_per_rank_or_on_the_host(tiny):
+    """DeepSpeed trains 16-bit weights against fp32 master weights, Adam moments and gradients (16 B per trainable
+    parameter) split over the ranks, or pinned in host RAM with offload_optimizer."""
+    r = tiny(method="full", precision="bf16-true", devices=2, strategy="deepspeed_stage_3",
+             accelerator="auto")
+    _, total = _counts(r)
+    block = _block_params(r)
+    parts = {p.name: p.gib * GIB for p in estimate_memory(r, compiled=False).parts}
+    assert parts["weights"] == pytest.approx(2 * total / 2 + 2 * 2 * block)
+    assert parts["optimizer state"] == pytest.approx(16 * total / 2)
+    offload = tiny(method="full", precision="bf16-true", devices=1, strategy="deepspeed_stage_2_offload",
+                   accelerator="auto")
+    est = estimate_memory(offload, compiled=False)
+    parts = {p.name: p.gib * GIB for p in est.parts}
+    assert parts["optimizer state"] == 0 and parts["weights"] == pytest.approx(2 * total)
+    plain = estimate_memory(tiny(method="full", precision="bf16-true"), compiled=False)
+    assert est.host_gib * GIB == pytest.approx(plain.host_gib * GIB + 16 * total)
 
 
 def test_estimate_cli_gives_a_verdict_and_ranked_fixes(capsys):

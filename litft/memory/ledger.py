@@ -168,9 +168,25 @@ SHARDING = ("none", "zero2", "zero3")
 OFFLOAD = ("none", "optimizer", "optimizer+params")
 
 
+def strategy_sharding(recipe: Recipe) -> tuple[str, str]:
+    """The ledger's (sharding, offload) for the recipe's strategy: FSDP FULL_SHARD and HYBRID_SHARD (within a node)
+    shard like ZeRO-3, SHARD_GRAD_OP like ZeRO-2, and its cpu_offload keeps everything sharded on the host; DeepSpeed
+    by its stage and offload options; one device and DDP replicate."""
+    s = recipe.strategy
+    if s.name == "fsdp":
+        sharding = {"FULL_SHARD": "zero3", "HYBRID_SHARD": "zero3", "SHARD_GRAD_OP": "zero2"}.get(s.fsdp.sharding,
+                                                                                                 "none")
+        return sharding, "optimizer+params" if s.fsdp.cpu_offload and sharding == "zero3" else "none"
+    if s.name == "deepspeed":
+        d = s.deepspeed
+        offload = "optimizer+params" if d.offload_parameters else "optimizer" if d.offload_optimizer else "none"
+        return f"zero{d.stage}", offload
+    return "none", "none"
+
+
 def estimate_memory(
     recipe: Recipe, config=None, tokens: int | None = None, compiled: bool | None = None, cached_only: bool = False,
-    sharding: str = "none", offload: str = "none", plan: Plan | None = None,
+    sharding: str | None = None, offload: str | None = None, plan: Plan | None = None,
 ) -> MemoryEstimate | None:
     """Predict the peak GPU memory of a recipe, per GPU, part by part.
 
@@ -178,10 +194,13 @@ def estimate_memory(
     bound, micro_batch_size x max_seq_length (data.pack_capacity under data.pack_steps). `plan`: the run's plan; by
     default the one `litft estimate` assumes (litft.plan.plan_for_estimate; `compiled` overrides its compile
     decision). `cached_only`: return None rather than trace the activations (used by `litft ls`, which must stay
-    instant). `sharding` and `offload` plan a sharded run over recipe.devices GPUs (see shard_model_state; litft's own
-    loop runs DDP, which replicates: 'none')."""
+    instant). `sharding` and `offload`: by default the recipe's strategy's (strategy_sharding), over the run's
+    ranks (see shard_model_state)."""
     from litft.model import model_config
 
+    recipe_sharding, recipe_offload = strategy_sharding(recipe)
+    sharding = recipe_sharding if sharding is None else sharding
+    offload = recipe_offload if offload is None else offload
     config = config or model_config(recipe)
     plan = plan or plan_for_estimate(recipe, config, compiled)
     per_token_layer = activation_bytes_per_token_layer(recipe, config, plan, cached_only)
@@ -190,10 +209,14 @@ def estimate_memory(
     model = _meta_model(recipe, config)
     parts, host = _model_state(recipe, plan, model, sharding)
     host_offloaded = 0.0
-    if sharding != "none" or offload != "none":
-        block_params = sum(p.numel() for p in model.transformer.h[0].parameters())
-        host_offloaded = shard_model_state(parts, recipe.devices, sharding, offload, block_params,
+    block_params = sum(p.numel() for p in model.transformer.h[0].parameters())
+    if recipe.strategy.name == "deepspeed" and sharding == recipe_sharding and offload == recipe_offload:
+        parts, host_offloaded = deepspeed_model_state(recipe, model, block_params, plan.precision.compute_bytes)
+    elif sharding != "none" or offload != "none":
+        ranks = recipe.devices if recipe.strategy.fsdp.sharding == "HYBRID_SHARD" else recipe.world_size
+        host_offloaded = shard_model_state(parts, ranks, sharding, offload, block_params,
                                            plan.precision.compute_bytes, plan.precision.mixed)
+        host_offloaded /= max(1, recipe.world_size // ranks)  # each node holds its own ranks' part
     tokens = tokens or plan.step_capacity or recipe.train.micro_batch_size * recipe.data.max_seq_length
     parts.append(_activations(plan, config, tokens, per_token_layer))
     parts.append(_loss(plan, config, tokens))
@@ -215,11 +238,54 @@ def estimate_memory(
                      " counts both in full (an upper bound)")
     if host_offloaded:
         host += host_offloaded
-        notes.append(f"offload: {units.gib(host_offloaded)} of host RAM for what all {recipe.devices} ranks move there"
-                     " (DeepSpeed pins it: it must be free RAM, not swap)")
+        notes.append(f"offload: {units.gib(host_offloaded)} of host RAM for what all {recipe.devices} ranks of a node"
+                     " move there (pinned: it must be free RAM, not swap)")
     return MemoryEstimate(parts=parts, allocated_gib=allocated, total_gib=total, device_gib=total + CUDA_CONTEXT_GIB,
                           host_gib=host, activations_per_token_layer=per_token_layer, tokens=tokens, notes=notes,
                           allocator_overhead=overhead)
+
+
+DEEPSPEED_BUCKET_ELEMENTS = 2 * 200_000_000
+"""Lightning's DeepSpeedStrategy defaults: reduce_bucket_size and allgather_bucket_size, 2e8 elements each."""
+
+
+def deepspeed_model_state(recipe: Recipe, model, block_params: int, compute_bytes: int) -> tuple[list[Part], float]:
+    """The model state of a DeepSpeed ZeRO run, per GPU, and the host RAM its offload pins (GiB, one node).
+
+    DeepSpeed trains 16-bit weights against fp32 master weights whatever the precision's '-true' or '-mixed': its
+    optimizer partition holds fp32 master weights, Adam's two fp32 moments and an fp32 gradient (16 B per trainable
+    parameter, over the ranks); the GPU keeps the 16-bit weights (ZeRO-3: a partition plus two gathered blocks),
+    the 16-bit gradient partition, and the reduce and all-gather buckets. offload_optimizer moves the 16 B to host
+    RAM; offload_parameters moves the 16-bit weight partitions too."""
+    d, n = recipe.strategy.deepspeed, recipe.world_size
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    cb = compute_bytes
+    if d.stage == 3 and d.offload_parameters:
+        weights = 2 * block_params * cb
+        weights_detail = f"on the host; 2 blocks gathered ({units.params(block_params)} each x {cb} B)"
+    elif d.stage == 3:
+        weights = total * cb / n + 2 * block_params * cb
+        weights_detail = f"{units.params(total)} x {cb} B / {n} ranks + 2 blocks gathered"
+    else:
+        weights = total * cb
+        weights_detail = f"{units.params(total)} x {cb} B (ZeRO-2 keeps whole 16-bit weights)"
+    gradients = trainable * cb / n + DEEPSPEED_BUCKET_ELEMENTS * cb
+    optimizer = trainable * 16 / n
+    parts = [Part("weights", weights / GIB, weights_detail),
+             Part("gradients", gradients / GIB, f"{units.params(trainable)} x {cb} B / {n} ranks + DeepSpeed's reduce"
+                  " and all-gather buckets (2 x 2e8 elements)")]
+    offloaded = 0.0  # GiB pinned in this node's host RAM: its ranks' share of what all ranks offload
+    if d.offload_optimizer:
+        offloaded += trainable * 16 / GIB / recipe.num_nodes
+        parts.append(Part("optimizer state", 0.0, "on the host: fp32 master weights, 2 Adam moments and fp32"
+                          f" gradients ({units.gib(trainable * 16 / GIB)} for all ranks)"))
+    else:
+        parts.append(Part("optimizer state", optimizer / GIB, "fp32 master weights, 2 Adam moments, fp32 gradients:"
+                          f" {units.params(trainable)} x 16 B / {n} ranks"))
+    if d.stage == 3 and d.offload_parameters:
+        offloaded += total * cb / GIB / recipe.num_nodes
+    return parts, offloaded
 
 
 def _quantized_sizes(model) -> list[int]:

@@ -13,12 +13,15 @@ from litft.recipe.load import (
 from litft.recipe.schema import (
     DataConfig,
     DataFields,
+    DeepSpeedConfig,
     EvalConfig,
+    FSDPConfig,
     LoggingConfig,
     LoRAConfig,
     ModelConfig,
     OptimizerSpec,
     Recipe,
+    StrategyConfig,
     TrainConfig,
     config_hash,
     recipe_to_dict,
@@ -27,8 +30,8 @@ from litft.recipe.schema import (
 from litft.recipe.validate import checkpoint_dir_problems, parse_memory_cap, validate
 
 __all__ = [
-    "PACKAGE_PREFIX", "DataConfig", "DataFields", "EvalConfig", "LoggingConfig", "LoRAConfig", "ModelConfig",
-    "OptimizerSpec", "Recipe", "TrainConfig", "build_parser", "checkpoint_dir_problems", "config_hash",
+    "PACKAGE_PREFIX", "DataConfig", "DataFields", "DeepSpeedConfig", "EvalConfig", "FSDPConfig", "LoggingConfig",
+    "LoRAConfig", "ModelConfig", "OptimizerSpec", "Recipe", "StrategyConfig", "TrainConfig", "build_parser", "checkpoint_dir_problems", "config_hash",
     "find_recipe", "load_recipe", "parse_memory_cap", "recipe_names", "recipe_to_dict", "recipe_to_yaml",
     "recipes_dir", "resolve_path", "validate",
 ]

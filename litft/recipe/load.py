@@ -26,7 +26,14 @@ from typing import Any, Literal
 import yaml
 
 from litft.errors import ConfigError
-from litft.recipe.schema import PACKAGE_PREFIX, OptimizerSpec, Recipe, plain, resolve_path  # noqa: F401
+from litft.recipe.schema import (  # noqa: F401
+    PACKAGE_PREFIX,
+    STRATEGY_SHORTHANDS,
+    OptimizerSpec,
+    Recipe,
+    plain,
+    resolve_path,
+)
 from litft.recipe.validate import validate
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -154,6 +161,43 @@ def _optimizer_section(value: Any, problems: list[str]) -> dict:
     if init_args or "init_args" in value:
         section["init_args"] = init_args
     return section
+
+
+def _strategy_section(value: Any, problems: list[str]) -> Any:
+    """The strategy as a section: a shorthand string ('fsdp', 'deepspeed_stage_3_offload', Lightning's names) becomes
+    the section it means; a section stays as it is (its keys are checked in pass 1)."""
+    if isinstance(value, str):
+        if value in STRATEGY_SHORTHANDS:
+            return json.loads(json.dumps(STRATEGY_SHORTHANDS[value]))  # a copy: the table is shared
+        close = difflib.get_close_matches(value, list(STRATEGY_SHORTHANDS), n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        problems.append(f"strategy: {value!r} is not one of {', '.join(repr(k) for k in STRATEGY_SHORTHANDS)}, or a"
+                        f" section such as {{name: fsdp, fsdp: {{sharding: SHARD_GRAD_OP}}}}{hint}")
+        return {}
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return value
+
+
+def _strategy_args(args: list[str], problems: list[str]) -> list[str]:
+    """--strategy SHORTHAND (or --strategy=SHORTHAND) on the command line as the keys it stands for."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--strategy" or token.startswith("--strategy="):
+            if "=" in token:
+                value, i = token.split("=", 1)[1], i + 1
+            elif i + 1 < len(args):
+                value, i = args[i + 1], i + 2
+            else:
+                problems.append("--strategy needs a value, e.g. --strategy fsdp")
+                return out
+            out += _as_args({"strategy": _strategy_section(value, problems)})
+            continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def _setting(key: str) -> str:
@@ -381,7 +425,12 @@ def build_parser(prog: str = "litft finetune"):
     from collections.abc import Callable, Iterable
 
     import torch
-    from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_docstring_parse_options
+    from jsonargparse import (
+        ActionConfigFile,
+        ArgumentParser,
+        Namespace,
+        set_docstring_parse_options,
+    )
 
     set_docstring_parse_options(attribute_docstrings=True)  # field docstrings become --help text
     parser = ArgumentParser(prog=prog, exit_on_error=False, description="Fine-tune a LitGPT model from a recipe.")
@@ -467,9 +516,13 @@ def load_recipe(
         yaml_values = read_recipe_file(path)
         if "optimizer" in yaml_values:
             yaml_values["optimizer"] = _optimizer_section(yaml_values["optimizer"], problems)
+        if "strategy" in yaml_values:
+            yaml_values["strategy"] = _strategy_section(yaml_values["strategy"], problems)
     if "optimizer" in overrides:
         overrides["optimizer"] = _optimizer_section(overrides["optimizer"], problems)
-    extra = list(args or []) + _as_args(overrides)
+    if "strategy" in overrides:
+        overrides["strategy"] = _strategy_section(overrides["strategy"], problems)
+    extra = _strategy_args(list(args or []), problems) + _as_args(overrides)
     if extra:  # a problem may be in the file or in an override: name both places to look
         source = f"{source} with overrides" if source else "overrides"
     _check_keys(yaml_values, _parse_cli_overrides(extra), problems)

@@ -259,6 +259,79 @@ class OptimizerSpec:
 
 
 @dataclass
+class FSDPConfig:
+    """Fully sharded data parallel (torch FSDP, through Lightning's FSDPStrategy): each transformer block's weights,
+    gradients and optimizer state are split over the devices and gathered block by block as they are used."""
+
+    sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """FULL_SHARD: weights, gradients and optimizer state sharded (least memory, weights gathered in forward and
+    again in backward); SHARD_GRAD_OP: weights stay gathered between forward and backward (ZeRO-2-like, more memory,
+    less traffic); HYBRID_SHARD: FULL_SHARD within a node, replicas across nodes; NO_SHARD: DDP through FSDP."""
+
+    cpu_offload: bool = False
+    """Keep the sharded weights (and their gradients and optimizer state) in host memory between uses: a model
+    larger than the devices' memory trains, slowly (the optimizer step runs on the CPU)."""
+
+    checkpoint: Literal["sharded", "full"] = "sharded"
+    """Checkpoints as one file per rank ('sharded': fast, no gathering, resumed on the same number of devices) or
+    gathered into whole tensors on rank 0 ('full': one file, host memory for the whole model)."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO (the `deepspeed` extra, through Lightning's DeepSpeedStrategy): optimizer state and gradients
+    (stage 2), and also the weights (stage 3), partitioned over the devices, optionally kept in host memory."""
+
+    stage: Literal[2, 3] = 2
+    """ZeRO stage: 2 partitions optimizer state and gradients; 3 also partitions the weights."""
+
+    offload_optimizer: bool = False
+    """ZeRO-Offload: fp32 master weights, Adam moments and the step on the CPU (DeepSpeedCPUAdam); the GPU keeps
+    16-bit weights and gradients. Host memory: ~16 bytes per trainable parameter."""
+
+    offload_parameters: bool = False
+    """Stage 3 only: the 16-bit weights in host memory too, fetched block by block."""
+
+
+@dataclass
+class StrategyConfig:
+    """How several devices share the work. A shorthand string works where the section does: 'ddp', 'fsdp',
+    'fsdp_cpu_offload', 'deepspeed', 'deepspeed_stage_2_offload', 'deepspeed_stage_3', 'deepspeed_stage_3_offload'
+    (Lightning's and LitGPT's names)."""
+
+    name: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"
+    """'auto': one device, or DDP when devices x num_nodes > 1. 'ddp': a whole replica per device, gradients
+    averaged once per step. 'fsdp' and 'deepspeed': sharded (see their sections)."""
+
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Options of name: fsdp."""
+
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """Options of name: deepspeed."""
+
+    @property
+    def sharded(self) -> bool:
+        """Weights, gradients or optimizer state split over the ranks (FSDP, DeepSpeed)."""
+        return self.name in ("fsdp", "deepspeed")
+
+
+STRATEGY_SHORTHANDS: dict[str, dict[str, Any]] = {
+    "auto": {"name": "auto"},
+    "ddp": {"name": "ddp"},
+    "ddp_spawn": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "fsdp_cpu_offload": {"name": "fsdp", "fsdp": {"cpu_offload": True}},
+    "deepspeed": {"name": "deepspeed"},
+    "deepspeed_stage_2": {"name": "deepspeed", "deepspeed": {"stage": 2}},
+    "deepspeed_stage_2_offload": {"name": "deepspeed", "deepspeed": {"stage": 2, "offload_optimizer": True}},
+    "deepspeed_stage_3": {"name": "deepspeed", "deepspeed": {"stage": 3}},
+    "deepspeed_stage_3_offload": {"name": "deepspeed", "deepspeed": {"stage": 3, "offload_optimizer": True,
+                                                                     "offload_parameters": True}},
+}
+"""Strategy names as Lightning registers them (and LitGPT's --strategy takes), as the sections they mean."""
+
+
+@dataclass
 class Recipe:
     """A complete fine-tuning run. Recipes in YAML set only what differs from these defaults."""
 
@@ -302,11 +375,13 @@ class Recipe:
     """Where to run: 'auto' picks CUDA when a GPU is present, else the CPU."""
 
     devices: int = 1
-    """Number of devices (GPUs, or CPU processes) to train on."""
+    """Devices per node (GPUs, or CPU processes) to train on."""
 
-    strategy: Literal["auto", "ddp"] = "auto"
-    """How several devices share the work; 'auto' is a single device, or DDP (a full replica per device, gradients
-    averaged) when devices > 1."""
+    num_nodes: int = 1
+    """Machines the run spans (torchrun or SLURM start one process per device on each; docs/multi-gpu.md)."""
+
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    """How several devices share the work: a section, or a shorthand such as 'fsdp' or 'deepspeed_stage_3_offload'."""
 
     out_dir: str = "out/run"
     """Where the run writes its config, metrics, TensorBoard events, result.json and weights."""
@@ -325,7 +400,7 @@ class Recipe:
 
     @property
     def world_size(self) -> int:
-        return self.devices
+        return self.devices * self.num_nodes
 
     @property
     def grad_accum(self) -> int:

@@ -19,7 +19,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 def validate(recipe: Recipe, check_paths: bool = True) -> list[str]:
     """Every contradiction in the recipe, as 'dotted.key: what is wrong and what to do'. Empty list: valid.
     ``check_paths``: also that the files it names are there."""
-    return _value_problems(recipe) + _method_problems(recipe) + _model_problems(recipe, check_paths)
+    return (_value_problems(recipe) + _method_problems(recipe) + _strategy_problems(recipe)
+            + _model_problems(recipe, check_paths))
 
 
 def _value_problems(recipe: Recipe) -> list[str]:
@@ -32,18 +33,20 @@ def _value_problems(recipe: Recipe) -> list[str]:
         ("train.global_batch_size", t.global_batch_size),
         ("train.epochs", t.epochs),
         ("devices", recipe.devices),
+        ("num_nodes", recipe.num_nodes),
         ("data.max_seq_length", d.max_seq_length),
         ("logging.interval", recipe.logging.interval),
     ]:
         if value < 1:
             problems.append(f"{key}: must be at least 1, got {value}")
-    if t.micro_batch_size >= 1 and recipe.devices >= 1 and t.global_batch_size >= 1:
-        per_step = t.micro_batch_size * recipe.devices
+    if t.micro_batch_size >= 1 and recipe.devices >= 1 and recipe.num_nodes >= 1 and t.global_batch_size >= 1:
+        per_step = t.micro_batch_size * recipe.world_size
         if t.global_batch_size % per_step:
             lower = max(per_step, t.global_batch_size // per_step * per_step)
+            ranks = f"devices {recipe.devices} x num_nodes {recipe.num_nodes}" if recipe.num_nodes > 1 else "devices"
             problems.append(
-                f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x devices ="
-                f" {t.micro_batch_size} x {recipe.devices} = {per_step}; try {lower} or {lower + per_step}"
+                f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size x {ranks} ="
+                f" {t.micro_batch_size} x {recipe.world_size} = {per_step}; try {lower} or {lower + per_step}"
             )
     if d.pack_capacity is not None:
         if not (d.packing and d.pack_steps):
@@ -117,13 +120,50 @@ def _method_problems(recipe: Recipe) -> list[str]:
             )
         if recipe.accelerator == "cpu":
             problems.append("method: qlora needs a CUDA GPU (bitsandbytes' 4-bit training path in Fabric is GPU-only)")
-        if recipe.devices > 1:
-            problems.append("method: qlora runs on one device in litft for now; set devices: 1")
     elif recipe.quantize is not None:
         problems.append(
             f"quantize: {recipe.quantize} applies to method qlora only (frozen 4-bit weights under LoRA adapters);"
             f" method is {recipe.method}. Set method: qlora, or quantize: null"
         )
+    return problems
+
+
+def _strategy_problems(recipe: Recipe) -> list[str]:
+    """Strategy options that do not belong to the chosen strategy, or that do not combine with the recipe."""
+    problems: list[str] = []
+    s = recipe.strategy
+    defaults = type(s)()
+    if s.name != "fsdp" and s.fsdp != defaults.fsdp:
+        problems.append(f"strategy.fsdp: set, but strategy.name is {s.name!r}; set strategy.name: fsdp, or remove"
+                        " the fsdp options")
+    if s.name != "deepspeed" and s.deepspeed != defaults.deepspeed:
+        offload = " (CPU offload of the optimizer or weights is DeepSpeed's; FSDP has strategy.fsdp.cpu_offload)" if (
+            s.deepspeed.offload_optimizer or s.deepspeed.offload_parameters) else ""
+        problems.append(f"strategy.deepspeed: set, but strategy.name is {s.name!r}; set strategy.name: deepspeed, or"
+                        f" remove the deepspeed options{offload}")
+    if s.name == "deepspeed":
+        d = s.deepspeed
+        if d.offload_parameters and d.stage != 3:
+            problems.append("strategy.deepspeed.offload_parameters: needs stage 3 (only ZeRO-3 partitions the"
+                            " weights); set strategy.deepspeed.stage: 3, or offload_parameters: false")
+        optimizer = recipe.optimizer.class_path.rpartition(".")[2]
+        if d.offload_optimizer and optimizer not in ("AdamW", "Adam"):
+            problems.append(f"strategy.deepspeed.offload_optimizer: runs Adam or AdamW on the CPU (DeepSpeedCPUAdam),"
+                            f" not {recipe.optimizer.class_path}; use torch.optim.AdamW, or offload_optimizer: false")
+        if recipe.optimizer.class_path.startswith("bitsandbytes."):
+            problems.append(f"optimizer: {recipe.optimizer.class_path} does not run under DeepSpeed, which partitions"
+                            " the optimizer state itself; use torch.optim.AdamW")
+    if s.sharded:
+        if recipe.accelerator == "cpu":
+            problems.append(f"strategy: {s.name} needs CUDA GPUs (Lightning's FSDP and DeepSpeed strategies refuse the"
+                            " CPU); on the CPU use strategy ddp")
+        if recipe.method == "qlora":
+            problems.append(f"method: qlora under strategy {s.name}: Fabric's 4-bit weights (bitsandbytes, stored in"
+                            " uint8) cannot be sharded; use strategy ddp for QLoRA on several GPUs, or method lora with"
+                            f" strategy {s.name}")
+    if s.name == "fsdp" and s.fsdp.sharding == "HYBRID_SHARD" and recipe.num_nodes == 1:
+        problems.append("strategy.fsdp.sharding: HYBRID_SHARD shards within a node and replicates across nodes, and"
+                        " this run has num_nodes 1; use FULL_SHARD")
     return problems
 
 

@@ -21,14 +21,16 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
 class PlainMicroStep:
     """One micro-batch: forward, then backward of loss / denominator; returns the detached loss sum."""
 
-    keeps_gradients = False
-
-    def __init__(self, fabric, model) -> None:
-        self.fabric, self.model = fabric, model
+    def __init__(self, fabric, model, reducer=None) -> None:
+        self.fabric, self.model, self.reducer = fabric, model, reducer
+        # litft's DDP averages into gradients that are views of its buckets: zero them in place, never free them
+        self.keeps_gradients = reducer is not None
 
     def __call__(self, inputs: dict, denominator) -> torch.Tensor:
         loss = self.model(**inputs)
         self.fabric.backward(loss / denominator)
+        if self.reducer is not None:
+            self.reducer.finish()  # an armed micro-step's gradients averaged over the ranks
         return loss.detach()
 
     def stats(self) -> dict:
@@ -69,10 +71,11 @@ class GraphedMicroSteps:
         widths = -(-step_capacity // GRAPH_MULTIPLE) if step_capacity else 0
         return max(cls.UPFRONT_SHAPES, widths)
 
-    def __init__(self, fabric, model, say, compiled: bool = False) -> None:
+    def __init__(self, fabric, model, say, compiled: bool = False, reducer=None) -> None:
         self.fabric, self.model, self.say = fabric, model, say
         self.compiled = compiled  # torch.compile'd blocks: warm up on two shapes (their kernels are built for both)
-        self.plain = PlainMicroStep(fabric, model)
+        self.reducer = reducer  # DDP: a step's last micro-batch is a graph of its own, with the collectives in it
+        self.plain = PlainMicroStep(fabric, model, reducer)
         self.graphs: dict[tuple, tuple] = {}
         self.warming: dict[tuple, int] = {}  # shapes that run plainly before their capture: plain runs so far
         self.replays = 0
@@ -108,26 +111,38 @@ class GraphedMicroSteps:
             # later width recompiles during its capture; eager: one plain micro-step (~0.25 s for TinyLlama)
             shapes, times = (2, self.WARMUP) if self.compiled else (1, self.EAGER_WARMUP)
             self._warm_up(inputs[:shapes], times)
+            # DDP: each shape twice, accumulating and (armed) averaging; a capture runs no collective's numbers
+            variants = (False, True) if self.reducer is not None else (False,)
+            if self.reducer is not None:
+                self.reducer.arm(False)
             if not self._capture(self.key(inputs[0]), inputs[0], last_try=True):
                 return
             self.pool_tokens = int(batches[0]["tokens_padded"])
-            for batch_inputs in inputs[1:]:  # a capture does not run the micro-step: the gradients stay zero
-                key = self.key(batch_inputs)
-                if key in self.graphs or self._capture(key, batch_inputs, last_try=False):
-                    continue
-                self.retries += 1  # as in training: warm this shape up plainly, then capture it
-                self._warm_up([batch_inputs], self.WARMUP)
-                if not self._capture(key, batch_inputs, last_try=True):
-                    return
+            for batch_inputs in inputs:  # a capture does not run the micro-step: the gradients stay zero
+                for armed in variants:
+                    if self.reducer is not None:
+                        self.reducer.arm(armed)
+                    key = self.key(batch_inputs)
+                    if key in self.graphs or self._capture(key, batch_inputs, last_try=False):
+                        continue
+                    self.retries += 1  # as in training: warm this shape up plainly, then capture it
+                    self._warm_up([batch_inputs], self.WARMUP)
+                    if not self._capture(key, batch_inputs, last_try=True):
+                        return
             self.captured_before_training = len(self.graphs)
 
     def _warm_up(self, inputs: list[dict], times: int) -> None:
         """``times`` plain micro-steps on each stand-in, then their gradients zeroed: they are not training."""
         start = time.perf_counter()
+        armed = self.reducer.armed if self.reducer is not None else False
+        if self.reducer is not None:
+            self.reducer.arm(False)  # a warm-up is not a step: no averaging
         for batch_inputs in inputs:
             for _ in range(times):
                 self.plain(batch_inputs, 1.0)
                 self.warmup_micro_batches += 1
+        if self.reducer is not None:
+            self.reducer.arm(armed)
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -135,9 +150,9 @@ class GraphedMicroSteps:
         torch.cuda.synchronize()
         self.plain_warmup_s += time.perf_counter() - start
 
-    @staticmethod
-    def key(inputs: dict) -> tuple:
-        return tuple((name, tuple(t.shape)) for name, t in inputs.items())
+    def key(self, inputs: dict) -> tuple:
+        shapes = tuple((name, tuple(t.shape)) for name, t in inputs.items())
+        return shapes + ((("armed", self.reducer.armed),) if self.reducer is not None else ())
 
     def __call__(self, inputs: dict, denominator) -> torch.Tensor:
         if self.failed:
@@ -175,6 +190,8 @@ class GraphedMicroSteps:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 static_loss = self.model(**static_inputs)
                 self.fabric.backward(static_loss * self.scale)
+                if self.reducer is not None:
+                    self.reducer.finish()
         except Exception as err:  # noqa: BLE001 - any capture failure: retry after a warm-up, or fall back
             self.capture_s += time.perf_counter() - start
             # A capture that raised as it ended leaves its side stream current and (torch 2.11) the allocator

@@ -29,7 +29,15 @@ from litft.train import setup
 from litft.train.engines import GraphedMicroSteps, PlainMicroStep, model_inputs
 from litft.train.optim import build_optimizer, build_scheduler, clip_gradients, optimizer_summary
 from litft.train.profiling import StepProfiler, compile_stats, no_range
-from litft.train.result import Phases, RunResult, batch_line, build_result, memory_result, out_of_memory
+from litft.train.result import (
+    Phases,
+    RunResult,
+    batch_line,
+    build_result,
+    memory_result,
+    out_of_memory,
+    per_rank,
+)
 from litft.train.state import Losses, LoopState, micro_batches, restore, save_training_state
 
 
@@ -132,11 +140,24 @@ class Run:
         """The LitGPT GPT inside Fabric's wrapper and CausalLM."""
         return unwrap(self.model)
 
+    @property
+    def sharded_model(self):
+        """The model as FSDP or DeepSpeed wrap it, whose weights only all ranks together hold; None otherwise."""
+        return self.model if self.plan.strategy in ("fsdp", "deepspeed") else None
+
 
 def unwrap(model) -> torch.nn.Module:
-    """The LitGPT GPT inside Fabric's wrapper and litft's CausalLM."""
-    module = model.module if hasattr(model, "module") else model
+    """The LitGPT GPT inside Fabric's wrapper (and FSDP's or DeepSpeed's) and litft's CausalLM."""
+    module = causal_lm(model)
     return module.gpt if isinstance(module, CausalLM) else module
+
+
+def causal_lm(model) -> torch.nn.Module:
+    """litft's CausalLM inside Fabric's wrapper, and inside FSDP's or DeepSpeed's where they wrap it."""
+    module = model
+    while not isinstance(module, CausalLM) and hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
@@ -179,13 +200,19 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     with phases("setup"):
         model, counts = setup.setup_model(fabric, recipe, plan, config)
         fabric.print(f"speed: {plan.speed_line()}")
-        optimizer = fabric.setup_optimizers(build_optimizer(recipe, model, plan))
+        if plan.strategy == "deepspeed":  # DeepSpeed's engine takes the model and its optimizer together
+            raw_optimizer = build_optimizer(recipe, model, plan)
+            model, optimizer = fabric.setup(model, raw_optimizer)
+            scheduler = build_scheduler(recipe, raw_optimizer, total_steps)  # DeepSpeed steps the same param groups
+        else:
+            optimizer = fabric.setup_optimizers(build_optimizer(recipe, model, plan))
+            scheduler = build_scheduler(recipe, optimizer, total_steps)
         train_loader, val_loader = setup.setup_loaders(fabric, recipe, plan, data, train_sampler, val_sampler)
-        scheduler = build_scheduler(recipe, optimizer, total_steps)
     run = Run(fabric, recipe, plan, config, data, out_dir, phases, model, counts, optimizer, scheduler,
               train_loader, train_sampler, val_loader, total_steps)
     if checkpoint is not None:
-        restore(checkpoint, run.gpt, optimizer, scheduler, train_sampler, run.state, run.losses, recipe)
+        restore(checkpoint, run.gpt, optimizer, scheduler, train_sampler, run.state, run.losses, recipe, fabric,
+                run.sharded_model)
     return train(run, checkpoint, worst_case)
 
 
@@ -203,8 +230,14 @@ def train(run: Run, checkpoint: dict | None, worst_case) -> RunResult:
                     if plan.step_scales else "; each step's loss read before its update") + ")")
     progress = Progress(recipe.logging.progress, run.total_steps, enabled=is_main)
     writer = metrics.MetricsWriter(run.out_dir, recipe.logging.tensorboard) if is_main else None
-    micro_step = (GraphedMicroSteps(fabric, run.model, progress.print, plan.compile) if plan.cuda_graphs
-                  else PlainMicroStep(fabric, run.model))
+    reducer = None
+    if plan.reduces_gradients:
+        from litft.train.reduce import GradientReducer
+
+        reducer = GradientReducer(run.gpt, fabric.device)
+        causal_lm(run.model).reducer = reducer
+    micro_step = (GraphedMicroSteps(fabric, run.model, progress.print, plan.compile, reducer) if plan.cuda_graphs
+                  else PlainMicroStep(fabric, run.model, reducer))
     if checkpoint is not None:
         progress.print(f"resumed from {checkpoint['path']} at step {state.step} (epoch {state.epoch},"
                        f" micro-batch {state.batch_in_epoch} of {len(run.train_sampler)})")
@@ -234,7 +267,7 @@ def train(run: Run, checkpoint: dict | None, worst_case) -> RunResult:
                 losses.val_final = evaluate(fabric, run.model, run.val_loader, None)
             progress.print(f"val loss after training: {losses.val_final:.4f}")
         with run.phases("save"):
-            save_final(fabric, recipe, run.config, run.gpt, run.out_dir)
+            save_final(fabric, recipe, run.config, run.gpt, run.out_dir, run.sharded_model)
         status = "ok"
     except torch.OutOfMemoryError as err:
         profiler.dump_snapshot("out of memory")
@@ -290,10 +323,15 @@ def report(run: Run, status: str, throughput, clock, gpu: dict, worst_case, grap
     if worst_case is not None and held_tokens:
         seen = setup.predict_memory(run.recipe, run.config, run.plan, held_tokens)
     memory = memory_result(run, seen or worst_case, worst_case, gpu)
+    summary = throughput.summary(clock.durations, rank_sum)
+    if rank_sum is not None:  # every rank got here: each one's own memory and speed
+        own = throughput.summary(clock.durations)  # this rank's counts x world size
+        own_rate = own["tokens_per_sec"] / fabric.world_size if own["tokens_per_sec"] else None
+        memory["per_rank"] = per_rank(fabric, memory, own_rate)
     extra = {"cuda_graphs": graph_stats, "compile": compiled, "optimizer": optimizer_used,
              "grad_into_weights": run.plan.layers.grad_into_weights, "loss_read": run.plan.loss_read(),
              "triton_kernels": run.plan.triton_summary()}
-    return build_result(run, status, throughput.summary(clock.durations, rank_sum), memory, gpu, extra)
+    return build_result(run, status, summary, memory, gpu, extra)
 
 
 @torch.no_grad()
@@ -420,7 +458,7 @@ def fit(run: Run, micro_step, meters: Meters) -> None:
         if saves:
             with run.phases("save"):
                 save_training_state(fabric, recipe, run.gpt, run.optimizer, run.scheduler, run.train_sampler,
-                                    state, run.losses, run.out_dir)
+                                    state, run.losses, run.out_dir, run.sharded_model)
         log_step(run, meters, numbers, loss_value, norm_value, val_loss)
 
 
@@ -434,20 +472,24 @@ def forward_backward(run: Run, micro_step, meters: Meters, step: int, step_batch
     # batch is split into micro-batches and devices. DDP averages gradients over ranks, hence the x world_size.
     loss_tokens = sum(b["loss_tokens"] for b in step_batches)  # counted on the CPU by the collate
     if fabric.world_size > 1:  # a device tensor only when ranks must agree on it (one small all-reduce)
-        total = fabric.all_reduce(torch.tensor(loss_tokens, device=fabric.device), reduce_op="sum")
-        denominator = total.clamp(min=1).float() / fabric.world_size
+        denominator = ranks_loss_tokens(fabric, loss_tokens).clamp(min=1).float() / fabric.world_size
     else:  # a Python number: no host-to-device copy, which would wait for the previous step to finish
         denominator = float(max(loss_tokens, 1))
 
     meters.clock.start()
     loss_sum = torch.zeros((), device=fabric.device)
+    reducer = getattr(micro_step, "reducer", None)
     for i, batch in enumerate(step_batches):
-        with fabric.no_backward_sync(run.model, enabled=i < len(step_batches) - 1):
+        last = i == len(step_batches) - 1
+        if reducer is not None:
+            reducer.arm(last)  # litft's DDP: the step's last backward pass averages the gradients
+        # FSDP's no_sync keeps the unsharded gradients until the last micro-batch; DeepSpeed reduces in each backward
+        with fabric.no_backward_sync(run.model, enabled=not last and run.plan.strategy == "fsdp"):
             with mark("forward+backward"):
                 loss_sum += micro_step(model_inputs(batch, fabric.device), denominator)
 
     grad_norm = None
-    if recipe.train.max_grad_norm is not None:  # checked with the loss, before the update
+    if recipe.train.max_grad_norm is not None and run.plan.strategy != "deepspeed":  # DeepSpeed clips in its step
         grad_norm = clip_gradients(fabric, run.model, run.optimizer, recipe.train.max_grad_norm, run.plan.step_scales)
     step_loss = (loss_sum / denominator / fabric.world_size).float()
     if fabric.world_size > 1:
@@ -461,6 +503,13 @@ def forward_backward(run: Run, micro_step, meters: Meters, step: int, step_batch
         loss_tokens=loss_tokens,
         flops=sum(meters.flops.batch_flops(b["lengths"]) for b in step_batches),
     ), epoch=state.epoch + state.batch_in_epoch / max(1, len(run.train_sampler)))
+
+
+def ranks_loss_tokens(fabric, loss_tokens: int) -> torch.Tensor:
+    """The step's loss tokens summed over the ranks, on the device. The count goes up through pinned memory without
+    waiting (a plain torch.tensor(..., device=cuda) would wait for the GPU to finish the previous step's work)."""
+    count = torch.tensor(loss_tokens, pin_memory=fabric.device.type == "cuda")
+    return fabric.all_reduce(count.to(fabric.device, non_blocking=True), reduce_op="sum")
 
 
 def flop_model(run: Run) -> metrics.FlopModel:

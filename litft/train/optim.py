@@ -20,8 +20,23 @@ def build_optimizer(recipe: Recipe, model, plan: Plan) -> torch.optim.Optimizer:
     update), and as litft.kernels.AdamW where the plan says so (the same update without writing the clipped
     gradients back)."""
     module_name, _, class_name = recipe.optimizer.class_path.rpartition(".")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if plan.strategy == "deepspeed" and recipe.strategy.deepspeed.offload_optimizer:
+        return cpu_adam(recipe, params, adamw=class_name == "AdamW")
     cls = kernels.AdamW if plan.triton_adamw else getattr(importlib.import_module(module_name), class_name)
-    return cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs(recipe, plan))
+    return cls(params, **optimizer_kwargs(recipe, plan))
+
+
+def cpu_adam(recipe: Recipe, params: list, adamw: bool):
+    """ZeRO-Offload's optimizer: DeepSpeedCPUAdam (AVX kernels over the fp32 master weights in host memory), with the
+    recipe's lr, betas, eps and weight decay; DeepSpeed compiles its extension on first use (ninja)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    args = recipe.optimizer.init_args
+    kwargs = {name: args[name] for name in ("lr", "eps", "weight_decay") if args.get(name) is not None}
+    if args.get("betas") is not None:
+        kwargs["betas"] = tuple(args["betas"])
+    return DeepSpeedCPUAdam(params, adamw_mode=adamw, **kwargs)
 
 
 def optimizer_kwargs(recipe: Recipe, plan: Plan) -> dict:

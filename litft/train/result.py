@@ -4,6 +4,7 @@ the message of a run that ran out of memory."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ def memory_result(run, predicted, worst_case, gpu: dict) -> dict:
     largest micro-batch the run held, with its error against the measured peak reserved."""
     fabric, recipe = run.fabric, run.recipe
     mem = metrics.memory_stats(fabric.device)
+    mem["rank_peak_allocated_gib"], mem["rank_peak_reserved_gib"] = mem["peak_allocated_gib"], mem["peak_reserved_gib"]
     if fabric.world_size > 1 and fabric.device.type == "cuda":
         # max over ranks: the rank that ran out first decides whether the run fits
         peaks = torch.tensor([mem["peak_allocated_gib"], mem["peak_reserved_gib"]], device=fabric.device)
@@ -83,6 +85,21 @@ def memory_result(run, predicted, worst_case, gpu: dict) -> dict:
     if gpu:
         mem["device_used_peak_gib"] = gpu.get("device_used_peak_gib")
     return mem
+
+
+def per_rank(fabric, memory: dict, tokens_per_sec: float | None) -> list[dict] | None:
+    """Every rank's peak memory, host RSS and real tokens per second (its own tokens over its own timed steps), for
+    result.json and the summary; one all-gather, made only when every rank got here. None on one device."""
+    if fabric.world_size == 1:
+        return None
+    nan = float("nan")
+    mine = [memory.get("rank_peak_allocated_gib"), memory.get("rank_peak_reserved_gib"),
+            memory.get("host_peak_rss_gib"), tokens_per_sec]
+    local = torch.tensor([nan if v is None else float(v) for v in mine], dtype=torch.float64, device=fabric.device)
+    rows = fabric.all_gather(local).reshape(fabric.world_size, len(mine)).cpu().tolist()
+    keys = ("peak_allocated_gib", "peak_reserved_gib", "host_peak_rss_gib", "tokens_per_sec")
+    return [{"rank": rank, **{k: (None if math.isnan(v) else v) for k, v in zip(keys, row)}}
+            for rank, row in enumerate(rows)]
 
 
 def build_result(run, status: str, throughput: dict, memory: dict, gpu: dict, extra: dict) -> dict:

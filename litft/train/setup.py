@@ -15,6 +15,7 @@ from litft.model import (
     build_model,
     compile_blocks,
     count_parameters,
+    load_into_fsdp,
     settle_4bit_compute_dtype,
 )
 from litft.plan import Plan
@@ -118,17 +119,22 @@ def setup_model(fabric, recipe: Recipe, plan: Plan, config):
     from litft.layers.lora_fused import stack_fc_weights
 
     fabric.seed_everything(recipe.seed)  # same seed on every rank: identical random init and LoRA A
-    gpt = build_model(fabric, recipe, config)
+    gpt = build_model(fabric, recipe, config, plan.strategy)
     counts = count_parameters(gpt)
     fabric.print(f"model: {config.name}, {counts.total:,} parameters, {counts.trainable:,} trainable"
                  f" ({100 * counts.trainable / counts.total:.2f}%)")
     use_fast_layers(gpt, plan.layers)
-    if plan.activation_checkpointing:
+    if plan.activation_checkpointing and plan.strategy != "fsdp":  # FSDP wraps each block itself (its policy)
         apply_activation_checkpointing(gpt)
     if plan.compile:
         compile_blocks(gpt)
-    model = fabric.setup_module(CausalLM(gpt, plan.loss_chunk, recipe.data.max_seq_length, plan.compile,
-                                         plan.triton_loss, plan.fused_residual_norms))
+    causal = CausalLM(gpt, plan.loss_chunk, recipe.data.max_seq_length, plan.compile, plan.triton_loss,
+                      plan.fused_residual_norms)
+    if plan.strategy == "deepspeed":
+        return causal, counts  # fabric.setup(model, optimizer) wraps both at once
+    model = fabric.setup_module(causal)
+    if plan.strategy == "fsdp" and recipe.init == "pretrained":
+        load_into_fsdp(fabric, model, resolve_path(recipe.model.checkpoint_dir) / "lit_model.pth")
     settle_4bit_compute_dtype(gpt, recipe.precision)  # after setup_module, which clears the flag (qlora)
     if plan.stack_fc_weights:
         stack_fc_weights(gpt)  # after setup_module: it moves weights

@@ -64,11 +64,16 @@ def micro_batches(loader, sampler, epochs: int, state: LoopState, resumed: bool 
 
 
 def save_training_state(fabric, recipe, gpt, optimizer, scheduler, sampler, state: LoopState, losses: Losses,
-                        out_dir: Path) -> None:
-    """A committed checkpoint of everything the next step depends on (see litft.checkpoint)."""
-    from litft.checkpoint import rng_states, save_checkpoint, trainable_state_dict
+                        out_dir: Path, model=None) -> None:
+    """A committed checkpoint of everything the next step depends on (see litft.checkpoint). ``model``: the FSDP or
+    DeepSpeed module of a sharded run, whose ranks each write their part."""
+    from litft.checkpoint import (
+        rng_states,
+        save_checkpoint,
+        save_sharded_checkpoint,
+        trainable_state_dict,
+    )
 
-    trainable = trainable_state_dict(gpt) if recipe.method in ("lora", "qlora") else gpt.state_dict()
     training_state = {
         "counters": state.counters(),
         "data_position": sampler.position(state.epoch, state.batch_in_epoch),
@@ -76,6 +81,11 @@ def save_training_state(fabric, recipe, gpt, optimizer, scheduler, sampler, stat
         "losses": losses.as_dict(),
         "rng": rng_states(),
     }
+    if model is not None:
+        save_sharded_checkpoint(fabric, out_dir, recipe, state.step, model, optimizer, training_state,
+                                recipe.train.keep_last_n)
+        return
+    trainable = trainable_state_dict(gpt) if recipe.method in ("lora", "qlora") else gpt.state_dict()
     optimizer_state = optimizer.state_dict()
     if fabric.global_rank == 0:
         save_checkpoint(out_dir, recipe, state.step, trainable, optimizer_state, training_state,
@@ -83,10 +93,23 @@ def save_training_state(fabric, recipe, gpt, optimizer, scheduler, sampler, stat
     fabric.barrier()
 
 
-def restore(checkpoint: dict, gpt, optimizer, scheduler, sampler, state: LoopState, losses: Losses, recipe) -> None:
-    """Put the run back where the checkpoint left it: weights, optimizer, schedule, data position, counters, RNG."""
-    from litft.checkpoint import restore_rng_states, trainable_state_dict
+def restore(checkpoint: dict, gpt, optimizer, scheduler, sampler, state: LoopState, losses: Losses, recipe,
+            fabric=None, model=None) -> None:
+    """Put the run back where the checkpoint left it: weights, optimizer, schedule, data position, counters, RNG.
+    A sharded run (``model``: its FSDP or DeepSpeed module) reads its part of the weights and optimizer state back
+    through ``fabric``."""
+    from litft.checkpoint import trainable_state_dict
 
+    if model is not None:
+        if checkpoint["sharded"] is None:
+            raise CheckpointError(f"{checkpoint['path']} was written by a one-device or DDP run; a sharded run resumes"
+                                  " from its own checkpoints only")
+        fabric.load(checkpoint["sharded"], {"model": model, "optimizer": optimizer})
+        _restore_state(checkpoint, scheduler, sampler, state, losses)
+        return
+    if checkpoint["sharded"] is not None:
+        raise CheckpointError(f"{checkpoint['path']} was written by an FSDP or DeepSpeed run; resume it with the same"
+                              " strategy and devices")
     result = gpt.load_state_dict(checkpoint["trainable"], strict=False)
     expected = set(trainable_state_dict(gpt)) if recipe.method in ("lora", "qlora") else set(gpt.state_dict())
     missing = expected & set(result.missing_keys)
@@ -96,6 +119,12 @@ def restore(checkpoint: dict, gpt, optimizer, scheduler, sampler, state: LoopSta
             f" unexpected {result.unexpected_keys[:3]}"
         )
     optimizer.load_state_dict(checkpoint["optimizer"])
+    _restore_state(checkpoint, scheduler, sampler, state, losses)
+
+
+def _restore_state(checkpoint: dict, scheduler, sampler, state: LoopState, losses: Losses) -> None:
+    from litft.checkpoint import restore_rng_states
+
     saved = checkpoint["state"]
     scheduler.load_state_dict(saved["scheduler"])
     sampler.load_state_dict(saved["data_position"])
