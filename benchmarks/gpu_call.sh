@@ -2,7 +2,7 @@
 # One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes slimmed to its CUDA 13.0 library by
 # benchmarks/slim_wheel.py, so that the tree and the wheels fit the 64 MiB a call carries; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
-#   steps: env | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
+#   steps: env | ckpt:<model> (benchmarks/make_checkpoint.py into out/ckpt/$CKPT_NAME, default tiny-llama) | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps) |
 #          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward; its options from
 #                     $ATTENTION_ARGS, e.g. "--only Triton --sweep --shape 32 32 128 --tokens 2048 --samples 16") |
@@ -19,6 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
 python3 benchmarks/make_bench_data.py --out out/bench-data/alpaca_like.json > "$OUT/bench-data.txt" 2>&1
+python3 benchmarks/make_bench_data.py --tail10 --out out/bench-data/alpaca_tail10.json >> "$OUT/bench-data.txt" 2>&1
 cat "$OUT/bench-data.txt"
 status=0
 for step in "$@"; do
@@ -30,6 +31,7 @@ for step in "$@"; do
     gpu-tests) timeout "$left" python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 || status=1 ;;
     gpu-test:*) timeout "$left" python3 -m pytest -m gpu -q -p no:cacheprovider -k "${step#gpu-test:}" 2>&1 \
                   | tee "$OUT/gpu-test.txt" | tail -25 || status=1 ;;
+    ckpt:*) python3 benchmarks/make_checkpoint.py --model "${step#ckpt:}" --out "out/ckpt/${CKPT_NAME:-tiny-llama}" 2>&1 | tail -2 ;;
     set:*) timeout "$left" python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
            tail -30 "$OUT/${step#set:}.log" ;;
     host:*) timeout "$left" python3 benchmarks/host_overhead.py --recipe "${step#host:}" --out "$OUT/host" \

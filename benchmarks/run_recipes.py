@@ -64,6 +64,15 @@ LORA_7B = ("open-llama-7b-lora", GPU + steps(12))
 QLORA_7B = ("open-llama-7b-qlora", GPU + steps(12))
 
 
+# Several GPUs (nvidia-h100-x2): the held-out-style lengths (mean ~268, 10% over 512: make_bench_data.py --tail10),
+# and for TinyLlama one random checkpoint that every strategy starts from (make_checkpoint.py), so that their first
+# losses can be compared (FSDP and ZeRO-3 draw random weights shard by shard)
+TAIL_DATA = ["--data.path", "out/bench-data/alpaca_tail10.json"]
+MULTI = RANDOM + TAIL_DATA + QUIET
+TINY_CKPT = ["--model.checkpoint_dir", "out/ckpt/tiny-llama"] + TAIL_DATA + QUIET
+TWO = ["--devices", "2"]
+
+
 def switched(base: tuple[str, list[str]], *overrides: str) -> tuple[str, list[str]]:
     recipe, args = base
     return recipe, args + list(overrides)
@@ -144,6 +153,31 @@ SETS: dict[str, list[tuple]] = {
         ("full", *FULL),
         ("7b-lora-prev", "open-llama-7b-lora", GPU + steps(20), PREVIOUS),
         ("7b-lora", "open-llama-7b-lora", GPU + steps(20)),
+    ],
+    # TinyLlama on one GPU and on two (DDP, FSDP, DeepSpeed ZeRO-2), the same global batch and checkpoint: scaling
+    # and the first step's loss across strategies.
+    "multi-gpu-tiny": [
+        ("full-1gpu", "tiny-llama-full", TINY_CKPT + steps(30)),
+        ("full-ddp2", "tiny-llama-full-ddp", TINY_CKPT + steps(30) + TWO),
+        ("full-fsdp2", "tiny-llama-full-fsdp", TINY_CKPT + steps(30) + TWO),
+        ("lora-1gpu", "tiny-llama-lora", TINY_CKPT + steps(30)),
+        ("lora-ddp2", "tiny-llama-lora", TINY_CKPT + steps(30) + TWO + ["--strategy", "ddp"]),
+        ("full-zero2", "tiny-llama-full", TINY_CKPT + steps(10) + TWO + ["--strategy", "deepspeed_stage_2"]),
+        ("full-fsdp2-eager", "tiny-llama-full-fsdp", TINY_CKPT + steps(30) + TWO + ["--train.compile", "never"]),
+    ],
+    # OpenLLaMA-7B LoRA on one GPU and DDP on two; 7B full on one GPU and FSDP on two at the same micro batch;
+    # 13B full AdamW under FSDP on two.
+    "multi-gpu-large": [
+        ("7b-lora-1gpu", "open-llama-7b-lora", MULTI + steps(12)),
+        ("7b-lora-ddp2", "open-llama-7b-lora", MULTI + steps(12) + TWO + ["--strategy", "ddp"]),
+        ("7b-full-1gpu", "open-llama-7b-full", MULTI + steps(8)),
+        ("7b-full-fsdp2", "open-llama-7b-full-fsdp", MULTI + steps(8) + TWO),
+        ("13b-full-fsdp2", "open-llama-13b-full", MULTI + steps(20) + TWO + ["--strategy", "fsdp"]),
+    ],
+    # OpenLLaMA-13B full AdamW with the optimizer on the CPU: ZeRO-Offload on one GPU, ZeRO-3 + offload on two.
+    "multi-gpu-offload": [
+        ("13b-zero-offload-1gpu", "open-llama-13b-full-zero-offload", MULTI + steps(4)),
+        ("13b-zero3-offload2", "open-llama-13b-full-zero3-offload", MULTI + steps(4) + TWO),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [

@@ -95,8 +95,12 @@ def per_rank(fabric, memory: dict, tokens_per_sec: float | None) -> list[dict] |
     nan = float("nan")
     mine = [memory.get("rank_peak_allocated_gib"), memory.get("rank_peak_reserved_gib"),
             memory.get("host_peak_rss_gib"), tokens_per_sec]
+    import torch.distributed as dist
+
     local = torch.tensor([nan if v is None else float(v) for v in mine], dtype=torch.float64, device=fabric.device)
-    rows = fabric.all_gather(local).reshape(fabric.world_size, len(mine)).cpu().tolist()
+    gathered = [torch.empty_like(local) for _ in range(fabric.world_size)]
+    dist.all_gather(gathered, local)
+    rows = [row.cpu().tolist() for row in gathered]
     keys = ("peak_allocated_gib", "peak_reserved_gib", "host_peak_rss_gib", "tokens_per_sec")
     return [{"rank": rank, **{k: (None if math.isnan(v) else v) for k, v in zip(keys, row)}}
             for rank, row in enumerate(rows)]
