@@ -313,7 +313,7 @@ def consolidated_state_dict(fabric, recipe: Recipe, model) -> dict[str, torch.Te
     """The whole weights of a sharded model on rank 0, in LitGPT's names (every rank takes part in the gathering;
     the other ranks get an empty dict). FSDP: its full state dict, offloaded to the CPU; DeepSpeed ZeRO-3: its
     16-bit consolidation; ZeRO-2 keeps whole weights on every rank. LoRA: the adapters only."""
-    module = model.module if hasattr(model, "module") else model  # inside Fabric's wrapper
+    module = getattr(model, "_forward_module", model)  # FSDP's or DeepSpeed's module in Fabric's wrapper
     if recipe.strategy.name == "fsdp":
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

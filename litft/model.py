@@ -148,7 +148,7 @@ def load_into_fsdp(fabric, model, path: Path) -> None:
     from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 
     state = _read_state(path)
-    root = model.module if hasattr(model, "module") else model  # the FSDP root inside Fabric's wrapper
+    root = getattr(model, "_forward_module", model)  # the FSDP root inside Fabric's wrapper (.module is the inner one)
     _load_raw_module_state({f"gpt.{k}": v for k, v in state.items()}, module=root, world_size=fabric.world_size,
                            strict=False)
 

@@ -45,8 +45,9 @@ def build_fabric(recipe: Recipe, loggers=None):
     if recipe.strategy.name == "deepspeed":
         try:
             import deepspeed  # noqa: F401
-        except ImportError:
-            problems.append("strategy: deepspeed needs the deepspeed package: pip install 'litft[deepspeed]'")
+        except ImportError as err:
+            problems.append(f"strategy: deepspeed needs the deepspeed package, which does not import here ({err});"
+                            " pip install 'litft[deepspeed]'")
     if problems:
         raise ConfigError(problems)
 

@@ -135,8 +135,9 @@ def test_ctrl_c_exits_130_with_one_line_and_a_result_that_says_failed(tmp_path):
                             # A shell that starts the tests in the background ignores SIGINT for them, and Python then
                             # keeps it ignored: give the run the disposition a terminal's foreground process has.
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 1200  # a guard against a hang: wait until training has begun
-    while time.time() < deadline and not (out_dir / "metrics.jsonl").is_file() and proc.poll() is None:
+    metrics_log = out_dir / "metrics.jsonl"
+    deadline = time.time() + 1200  # a guard against a hang: wait until a step has been logged (training has begun)
+    while time.time() < deadline and proc.poll() is None and not (metrics_log.is_file() and metrics_log.stat().st_size):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=1200)

@@ -493,7 +493,7 @@ def forward_backward(run: Run, micro_step, meters: Meters, step: int, step_batch
         grad_norm = clip_gradients(fabric, run.model, run.optimizer, recipe.train.max_grad_norm, run.plan.step_scales)
     step_loss = (loss_sum / denominator / fabric.world_size).float()
     if fabric.world_size > 1:
-        step_loss = fabric.all_reduce(step_loss, reduce_op="sum")
+        step_loss = sum_over_ranks(step_loss)
     check = torch.stack([step_loss, grad_norm.float() if grad_norm is not None else step_loss])
     return StepNumbers.of(step, check, metrics.StepRecord(
         step=step,
@@ -509,7 +509,15 @@ def ranks_loss_tokens(fabric, loss_tokens: int) -> torch.Tensor:
     """The step's loss tokens summed over the ranks, on the device. The count goes up through pinned memory without
     waiting (a plain torch.tensor(..., device=cuda) would wait for the GPU to finish the previous step's work)."""
     count = torch.tensor(loss_tokens, pin_memory=fabric.device.type == "cuda")
-    return fabric.all_reduce(count.to(fabric.device, non_blocking=True), reduce_op="sum")
+    return sum_over_ranks(count.to(fabric.device, non_blocking=True))
+
+
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """An all-reduce (sum, in place) queued on the device. Not fabric.all_reduce: Lightning puts a barrier before
+    every reduction, and a barrier makes the host wait until the GPU has finished all its queued work, twice a step
+    (measured on 2 H200s: 7 ms of a 32 ms TinyLlama LoRA step under DDP)."""
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return tensor
 
 
 def flop_model(run: Run) -> metrics.FlopModel:
