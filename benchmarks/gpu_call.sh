@@ -2,6 +2,7 @@
 # One device call: install the carried wheels (litgpt, jsonargparse, bitsandbytes slimmed to its CUDA 13.0 library by
 # benchmarks/slim_wheel.py, so that the tree and the wheels fit the 64 MiB a call carries; see benchmarks/README.md), make
 # the benchmark data, then run each step named on the command line, logging everything under $OUT.
+# set: steps take RUN_TIMEOUT (seconds per run, default 900) and ONLY (run names, comma-separated) from the environment.
 #   steps: env | ckpt:<model> (benchmarks/make_checkpoint.py into out/ckpt/$CKPT_NAME, default tiny-llama) | gpu-tests | gpu-test:<pytest -k expression> | set:<name> (a benchmarks/run_recipes.py set) | host:<recipe> (benchmarks/host_overhead.py) |
 #          vs:<run,run> (benchmarks/vs_litgpt.py --only, TinyLlama) | vs7b:<run,run> (OpenLLaMA-7B, 20 steps) |
 #          attention (benchmarks/attention_bench.py: packed attention variants, forward + backward; its options from
@@ -32,7 +33,8 @@ for step in "$@"; do
     gpu-test:*) timeout "$left" python3 -m pytest -m gpu -q -p no:cacheprovider -k "${step#gpu-test:}" 2>&1 \
                   | tee "$OUT/gpu-test.txt" | tail -25 || status=1 ;;
     ckpt:*) python3 benchmarks/make_checkpoint.py --model "${step#ckpt:}" --out "out/ckpt/${CKPT_NAME:-tiny-llama}" 2>&1 | tail -2 ;;
-    set:*) timeout "$left" python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" > "$OUT/${step#set:}.log" 2>&1 || status=1
+    set:*) timeout "$left" python3 benchmarks/run_recipes.py "${step#set:}" --out "$OUT/${step#set:}" --timeout "${RUN_TIMEOUT:-900}" \
+             ${ONLY:+--only "$ONLY"} > "$OUT/${step#set:}.log" 2>&1 || status=1
            tail -30 "$OUT/${step#set:}.log" ;;
     host:*) timeout "$left" python3 benchmarks/host_overhead.py --recipe "${step#host:}" --out "$OUT/host" \
               2>&1 | tee "$OUT/host-${step#host:}.log" | grep -v "^ " || status=1 ;;
