@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -191,11 +192,16 @@ def run_one(name: str, recipe: str, overrides: list[str], out: Path, timeout: in
     command = [sys.executable, "-m", "litft.cli", "finetune", "--config", recipe, *overrides,
                "--out_dir", str(run_dir), "--overwrite"]
     started = time.perf_counter()
+    # a session of its own: a run that times out is killed with the ranks it started (Fabric's other processes)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as err:
-        code, stdout, stderr = 124, err.stdout or "", (err.stderr or "") + f"\ntimed out after {timeout}s"
+        stdout, stderr = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        code, stderr = 124, (stderr or "") + f"\ntimed out after {timeout}s"
     wall = time.perf_counter() - started
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "log.txt").write_text(f"$ {shlex.join(command)}\n\n{stdout}\n--- stderr ---\n{stderr}")
