@@ -217,7 +217,12 @@ def resolve(recipe: Recipe, config, device: str, world_size: int, *, device_name
                                                     t.attention_kernel)),
         fused_lora=fused_lora, fused_lora_mlp=fused_lora_mlp and t.lean_swiglu,
     )
-    pack_steps = d.pack_steps and d.packing
+    # FSDP and ZeRO gather or reduce with the other ranks in every micro-batch, so every rank must run as many
+    # micro-batches per step as the others; data.pack_steps gives each rank as many as its own samples fill
+    pack_steps = d.pack_steps and d.packing and not sharded
+    if d.pack_steps and d.packing and sharded:
+        notes.append(f"data.pack_steps off under {strategy}: each rank runs grad_accum micro-batches of"
+                     " micro_batch_size samples, as its collectives need the same number on every rank")
     step_capacity = (d.pack_capacity or t.micro_batch_size * d.max_seq_length) if pack_steps else None
     fused_step, step_scales, triton_adamw = _optimizer_step(recipe, precision, cuda, triton, sharded)
     if sharded and t.cuda_graphs == "auto" and cuda:
