@@ -54,6 +54,8 @@ def optimizer_summary(optimizer) -> dict:
     """For the run's log and result.json: the optimizer's class and the implementation its step runs (torch's
     optimizers: fused, foreach, or torch's own choice when neither was set: foreach for CUDA tensors)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+    while not hasattr(inner, "defaults") and hasattr(inner, "optimizer"):  # DeepSpeed's ZeRO optimizer wraps ours
+        inner = inner.optimizer
     defaults = inner.defaults
     if isinstance(inner, kernels.AdamW):
         implementation = TRITON_ADAMW
