@@ -277,6 +277,8 @@ def _compile(recipe: Recipe, config, device: str, world_size: int, graphs: bool,
         return False, ""
     if strategy == "deepspeed":
         return False, "auto: DeepSpeed's engine runs eager blocks"
+    if strategy == "fsdp":  # the eager FSDP path is the one measured to run (benchmarks/results/multi-gpu-2xh200)
+        return False, "auto: eager blocks under FSDP until compiled ones are measured; train.compile always tries"
     if not graphs:
         return True, ""
     if recipe.train.triton_kernels and triton_available:
