@@ -1078,13 +1078,14 @@ def test_grad_into_weights_trains_alike_and_only_where_it_applies(tiny_recipe, t
 
     losses = [[json.loads(l)["loss"] for l in (r.out_dir / "metrics.jsonl").read_text().splitlines()] for r in (on, off)]
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)
-    # where autograd's accumulation stays: -mixed precision, more than one device, compiled blocks
+    # where autograd's accumulation stays: -mixed precision, FSDP and DeepSpeed, compiled blocks
     from litft.plan import resolve
 
     def plan(recipe, devices=1):
         return resolve(recipe, model_config(recipe), "cpu", devices).layers.grad_into_weights
 
     assert not plan(tiny_recipe(method=method, precision="bf16-mixed"))
-    assert not plan(tiny_recipe(method=method, devices=2), devices=2)
+    assert plan(tiny_recipe(method=method, devices=2), devices=2)  # DDP: litft averages .grad itself
+    assert not plan(tiny_recipe(method=method, devices=2, accelerator="auto", strategy="fsdp"), devices=2)
     assert not plan(tiny_recipe(method=method, train={"compile": "always"}))
     assert plan(tiny_recipe(method=method))
