@@ -391,3 +391,23 @@ def test_yaml_syntax_errors_are_one_line_with_the_place(tmp_path, capsys):
     assert main(["validate", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "line 2, column 1" in err and "spaces, not tabs" in err
+
+
+def test_litgpt_short_forms_of_optimizer_and_quantize(tmp_path):
+    """What the lab types with LitGPT: --optimizer SGD (a class of torch.optim), --quantize bnb.nf4 (which makes a
+    LoRA recipe QLoRA, as LitGPT's finetune_lora does), on the command line, as keywords and in YAML."""
+    sgd = load_recipe("tiny-llama-lora", args=["--optimizer", "SGD", "--optimizer.lr", "0.01"], validate_paths=False)
+    assert sgd.optimizer.class_path == "torch.optim.SGD" and sgd.optimizer.init_args["lr"] == 0.01
+    assert load_recipe("tiny-llama-lora", optimizer="AdamW", validate_paths=False).optimizer.class_path == (
+        "torch.optim.AdamW")
+    for recipe in (load_recipe("tiny-llama-lora", args=["--quantize", "bnb.nf4"], validate_paths=False),
+                   load_recipe("tiny-llama-lora", args=["--quantize=bnb.nf4"], validate_paths=False),
+                   load_recipe("tiny-llama-lora", quantize="bnb.nf4", validate_paths=False)):
+        assert (recipe.method, recipe.quantize) == ("qlora", "nf4")
+    path = tmp_path / "lab.yaml"
+    path.write_text("model: {name: tiny-llama-1.1b}\ninit: random\nmethod: lora\nquantize: bnb.nf4-dq\n"
+                    "optimizer: SGD\n")
+    recipe = load_recipe(path, validate_paths=False)
+    assert (recipe.method, recipe.quantize, recipe.optimizer.class_path) == ("qlora", "nf4-dq", "torch.optim.SGD")
+    with pytest.raises(ConfigError, match="'bnb.int8' is not one of"):
+        load_recipe("tiny-llama-lora", args=["--quantize", "bnb.int8"], validate_paths=False)

@@ -139,12 +139,12 @@ def _optimizer_section(value: Any, problems: list[str]) -> dict:
     if dataclasses.is_dataclass(value):
         value = dataclasses.asdict(value)
     if isinstance(value, str):
-        return {"class_path": value}
+        return {"class_path": optimizer_class_path(value)}
     if not isinstance(value, dict):
         problems.append(f"optimizer: expected a class path (e.g. torch.optim.SGD) or a section of class_path and"
                         f" arguments (e.g. {{class_path: torch.optim.SGD, lr: 0.01}}), got {value!r}")
         return {}
-    section: dict = {"class_path": value["class_path"]} if "class_path" in value else {}
+    section: dict = {"class_path": optimizer_class_path(value["class_path"])} if "class_path" in value else {}
     init_args = value.get("init_args") or {}
     if not isinstance(init_args, dict):
         problems.append(f"optimizer.init_args: expected a mapping of arguments such as {{lr: 1e-4}}, got {init_args!r}")
@@ -177,6 +177,58 @@ def _strategy_section(value: Any, problems: list[str]) -> Any:
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value)
     return value
+
+
+def optimizer_class_path(name: Any) -> Any:
+    """LitGPT's short optimizer names ('SGD', 'AdamW': a class of torch.optim) as class paths; a path stays as it
+    is."""
+    import torch
+
+    if isinstance(name, str) and "." not in name and isinstance(getattr(torch.optim, name, None), type):
+        return f"torch.optim.{name}"
+    return name
+
+
+def quantize_name(value: Any) -> Any:
+    """LitGPT's --quantize spellings of the 4-bit formats ('bnb.nf4', 'bnb.nf4-dq', 'bnb.fp4', 'bnb.fp4-dq') as
+    litft's ('nf4', ...); anything else stays for the choice check to refuse."""
+    if isinstance(value, str) and value.startswith("bnb.") and value[4:] in ("nf4", "nf4-dq", "fp4", "fp4-dq"):
+        return value[4:]
+    return value
+
+
+def _litgpt_forms(values: dict) -> dict:
+    """A recipe's values with LitGPT's spellings read as litft's: the optimizer's short name, and 'bnb.' quantize
+    names, where, as in LitGPT's finetune_lora, a LoRA run with a 4-bit format is QLoRA."""
+    if "quantize" in values and quantize_name(values["quantize"]) != values["quantize"]:
+        values["quantize"] = quantize_name(values["quantize"])
+        if values.get("method", "lora") == "lora":
+            values["method"] = "qlora"
+    return values
+
+
+def _litgpt_args(args: list[str], yaml_method: str) -> list[str]:
+    """The command line's LitGPT spellings as litft's: --optimizer SGD, --quantize bnb.nf4 (which makes a LoRA
+    recipe QLoRA, as LitGPT's finetune_lora does with it)."""
+    out: list[str] = []
+    out_tail: list[str] = []
+    method_given = any(a == "--method" or a.startswith("--method=") for a in args)
+    for i, token in enumerate(args):
+        previous = args[i - 1] if i else ""
+        if previous in ("--optimizer", "--optimizer.class_path"):
+            token = optimizer_class_path(token)
+        elif token.startswith(("--optimizer=", "--optimizer.class_path=")):
+            key, _, value = token.partition("=")
+            token = f"{key}={optimizer_class_path(value)}"
+        if previous == "--quantize" or token.startswith("--quantize="):
+            value = token.split("=", 1)[1] if token.startswith("--quantize=") else token
+            litft_name = quantize_name(value)
+            if litft_name != value and not method_given and yaml_method == "lora":
+                method_given = True
+                out_tail = ["--method", "qlora"]
+            token = f"--quantize={litft_name}" if token.startswith("--quantize=") else litft_name
+        out.append(token)
+    return out + out_tail
 
 
 def _strategy_args(args: list[str], problems: list[str]) -> list[str]:
@@ -518,11 +570,16 @@ def load_recipe(
             yaml_values["optimizer"] = _optimizer_section(yaml_values["optimizer"], problems)
         if "strategy" in yaml_values:
             yaml_values["strategy"] = _strategy_section(yaml_values["strategy"], problems)
+        _litgpt_forms(yaml_values)
     if "optimizer" in overrides:
         overrides["optimizer"] = _optimizer_section(overrides["optimizer"], problems)
     if "strategy" in overrides:
         overrides["strategy"] = _strategy_section(overrides["strategy"], problems)
-    extra = _strategy_args(list(args or []), problems) + _as_args(overrides)
+    _litgpt_forms(overrides)
+    if "optimizer" in overrides and "class_path" in overrides["optimizer"]:
+        overrides["optimizer"]["class_path"] = optimizer_class_path(overrides["optimizer"]["class_path"])
+    yaml_method = yaml_values.get("method", overrides.get("method", Recipe().method))
+    extra = _strategy_args(_litgpt_args(list(args or []), yaml_method), problems) + _as_args(overrides)
     if extra:  # a problem may be in the file or in an override: name both places to look
         source = f"{source} with overrides" if source else "overrides"
     _check_keys(yaml_values, _parse_cli_overrides(extra), problems)
