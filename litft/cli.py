@@ -144,7 +144,7 @@ def cmd_estimate(args: list[str]) -> int:
                        "--offload": "--strategy deepspeed_stage_3_offload"}
     for retired, key in retired_options.items():
         if _take_option(args, retired) is not None:
-            raise ConfigError(f"{retired}: estimate plans the recipe's own strategy now; set it as a recipe key,"
+            raise ConfigError(f"{retired}: litft estimate plans the recipe's strategy; set it as a recipe key,"
                               f" e.g. {key}")
     as_json = _take_flag(args, "--json")
     config = _take_option(args, "--config")
