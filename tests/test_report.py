@@ -56,16 +56,16 @@ def test_markdown_table_shows_numbers_for_people(all_runs):
     one, two, cpu = rows["h100-sweep/lora-1gpu"], rows["h100-sweep/lora-2gpu"], rows["cpu-demo"]
     assert list(one) == [
         "run", "status", "method", "precision", "micro", "accum", "devices", "seq", "steps", "tok/s", "tok/s/dev",
-        "MFU", "step", "alloc GiB", "reserved GiB", "predicted GiB", "pred. error", "val loss",
+        "MFU", "vs 1 device", "step", "alloc GiB", "reserved GiB", "predicted GiB", "pred. error", "val loss",
     ]
     assert one == {
         "run": "h100-sweep/lora-1gpu", "status": "ok", "method": "lora", "precision": "bf16-true", "micro": "8",
         "accum": "4", "devices": "1", "seq": "1,024", "steps": "25", "tok/s": "12,345", "tok/s/dev": "12,345",
-        "MFU": "41.2%", "step": "234.5 ms", "alloc GiB": "30.12", "reserved GiB": "34.57", "predicted GiB": "33.00",
+        "MFU": "41.2%", "vs 1 device": "", "step": "234.5 ms", "alloc GiB": "30.12", "reserved GiB": "34.57", "predicted GiB": "33.00",
         "pred. error": "+4.7%", "val loss": "1.5000",
     }
-    assert (two["devices"], two["tok/s"], two["tok/s/dev"], two["MFU"], two["reserved GiB"]) == (
-        "2", "23,457", "11,728", "39.2%", "35.25"
+    assert (two["devices"], two["tok/s"], two["tok/s/dev"], two["MFU"], two["reserved GiB"], two["vs 1 device"]) == (
+        "2", "23,457", "11,728", "39.2%", "35.25", "1.90x"
     )
     # null on the CPU -> n/a; a key this run's litft did not write (memory.predicted) -> blank
     assert (cpu["tok/s"], cpu["MFU"], cpu["reserved GiB"], cpu["predicted GiB"], cpu["pred. error"]) == (
@@ -255,3 +255,29 @@ def test_format_value():
     assert (f(None), f(report.MISSING), f(True), f(1024, "int"), f(-3.21, "pct"), f(0.003)) == (
         "n/a", "", "yes", "1,024", "-3.2%", "0.003"
     )
+
+
+def test_compare_shows_each_multi_device_runs_scaling_against_the_one_device_run(tmp_path):
+    """A run on N devices is held against the one-device run of the same model, method, precision and global batch
+    among those compared: its tok/s over that run's, with the strategy beside it."""
+    base = json.loads((RUNS / "cpu-demo" / "result.json").read_text())
+
+    def write(name: str, devices: int, rate: float, strategy: str, precision: str | None = None) -> None:
+        result = json.loads(json.dumps(base))
+        result["batch"]["devices"] = devices
+        result["throughput"]["tokens_per_sec"] = rate
+        result["plan"] = {**result.get("plan", {}), "strategy": strategy}
+        if precision:
+            result["recipe"]["precision"] = precision
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "result.json").write_text(json.dumps(result))
+
+    write("one", 1, 1000.0, "single")
+    write("ddp", 2, 1900.0, "ddp")
+    write("other-work", 2, 500.0, "fsdp", precision="bf16-true")  # no one-device run of this work
+    runs = {r.name: r for r in report.load_runs(tmp_path)}
+    assert runs["ddp"].get("scaling.vs_one_device") == pytest.approx(1.9)
+    assert runs["ddp"].get("scaling.one_device_run") == "one"
+    assert runs["other-work"].get("scaling.vs_one_device", None) is None
+    rows = md_rows(report.table(list(runs.values())))
+    assert rows["ddp"]["vs 1 device"] == "1.90x" and rows["ddp"]["strategy"] == "ddp"

@@ -121,7 +121,28 @@ def load_runs(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Ru
             found.setdefault(run_dir.resolve(), None)
     names = run_names(list(found))
     runs = [read_run(run_dir, names[run_dir]) for run_dir in found]
+    add_scaling(runs)
     return sorted(runs, key=lambda r: natural_key(r.name))
+
+
+SAME_WORK = ("model.name", "recipe.method", "recipe.precision", "batch.global_batch_size", "batch.max_seq_length")
+"""What a run on several devices shares with the one-device run it is compared with."""
+
+
+def add_scaling(runs: list[Run]) -> None:
+    """``scaling`` in each multi-device run's result (in memory, not on disk): its real tok/s over that of a
+    one-device run among ``runs`` doing the same work (SAME_WORK), and which run that was."""
+    single: dict[tuple, Run] = {}
+    for run in runs:
+        if run.get("batch.devices", None) == 1 and run.number("throughput.tokens_per_sec"):
+            single.setdefault(tuple(run.get(key, None) for key in SAME_WORK), run)
+    for run in runs:
+        devices = run.get("batch.devices", None)
+        rate = run.number("throughput.tokens_per_sec")
+        base = single.get(tuple(run.get(key, None) for key in SAME_WORK))
+        if isinstance(devices, int) and devices > 1 and rate and base is not None and isinstance(run.result, dict):
+            run.result["scaling"] = {"vs_one_device": rate / base.number("throughput.tokens_per_sec"),
+                                     "one_device_run": base.name}
 
 
 _SKIP_DIRS = {"__pycache__", "node_modules"}

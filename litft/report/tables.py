@@ -53,6 +53,8 @@ DEFAULT_FIELDS: tuple[Field, ...] = (
     Field("throughput.tokens_per_sec", "tok/s", "rate"),
     Field("throughput.tokens_per_sec_per_device", "tok/s/dev", "rate"),
     Field("throughput.mfu", "MFU", "fraction_pct"),
+    Field("plan.strategy", "strategy", "text", optional=True),
+    Field("scaling.vs_one_device", "vs 1 device", "ratio", optional=True),
     Field("throughput.median_step_time_s", "step", "ms"),
     Field("memory.peak_allocated_gib", "alloc GiB", "gib"),
     Field("memory.peak_reserved_gib", "reserved GiB", "gib"),
@@ -244,6 +246,7 @@ _NUMBER_FORMATS = {
     "gib": lambda v: f"{v:,.2f}",
     "pct": lambda v: f"{v:+.1f}%",
     "loss": lambda v: f"{v:.4f}",
+    "ratio": lambda v: f"{v:.2f}x",
 }
 """How Markdown shows a finite number of each Field kind (int and auto: by the value's type)."""
 
