@@ -174,8 +174,13 @@ class Plan:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+AMPERE = (8, 0)
+"""The compute capability (A100) from which flash attention's kernels (litft's packed rows) run; litft's Triton
+kernels are measured on 9.0 (H100) only and kept to 8.0 and above."""
+
+
 def resolve(recipe: Recipe, config, device: str, world_size: int, *, device_name: str | None = None,
-            data_stats=None, triton_available: bool | None = None) -> Plan:
+            data_stats=None, triton_available: bool | None = None, capability: tuple[int, int] | None = None) -> Plan:
     """Decide every speed switch of ``recipe`` for ``config`` (its litgpt Config) on ``world_size`` devices of type
     ``device``. A run passes what it knows: the GPU's name and its training set's TokenStats (train.compile 'auto'
     weighs the tokens its steps will train on against the compile time). `litft estimate` plans a CUDA run without
@@ -188,6 +193,18 @@ def resolve(recipe: Recipe, config, device: str, world_size: int, *, device_name
     precision = Precision(recipe.precision)
     cuda = device == "cuda"
     notes: list[str] = []
+    older_gpu = cuda and capability is not None and tuple(capability) < AMPERE
+    if older_gpu:  # a V100 (7.0): padded rows (torch's attention kernels) and torch ops instead of litft's kernels
+        gpu = f"this GPU ({device_name or 'compute capability'} {capability[0]}.{capability[1]})"
+        if d.packing:
+            notes.append(f"data.packing off: packed rows need flash attention (compute capability 8.0+), and {gpu}"
+                         " has not; samples are padded instead")
+            d = dataclasses.replace(d, packing=False)
+        if t.triton_kernels:
+            notes.append(f"train.triton_kernels off on {gpu}: litft's Triton kernels run from compute capability"
+                         " 8.0")
+            t = dataclasses.replace(t, triton_kernels=False)
+        recipe = dataclasses.replace(recipe, data=d, train=t)
     if triton_available is None:
         triton_available = kernels.triton is not None
     if t.triton_kernels and cuda and not triton_available:

@@ -39,6 +39,11 @@ def build_fabric(recipe: Recipe, loggers=None):
         problems.append("method: qlora needs a CUDA GPU (Fabric's BitsandbytesPrecision refuses the CPU)")
     if accelerator == "cuda" and recipe.devices > torch.cuda.device_count():
         problems.append(f"devices: {recipe.devices} asked for, {torch.cuda.device_count()} CUDA GPU(s) visible")
+    if accelerator == "cuda" and recipe.precision.startswith("bf16") and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        name = torch.cuda.get_device_name(0)
+        problems.append(f"precision: {recipe.precision} needs a GPU with bfloat16 (compute capability 8.0+: A100,"
+                        f" H100), and {name} has none; use 16-mixed (float16 with a loss scaler) or 32-true")
     if recipe.strategy.sharded and accelerator == "cpu":
         problems.append(f"strategy: {recipe.strategy.name} needs CUDA GPUs and this machine has none (Lightning's FSDP"
                         " and DeepSpeed strategies refuse the CPU); on the CPU use strategy ddp")

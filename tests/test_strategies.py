@@ -153,3 +153,30 @@ def test_two_nodes_under_torchrun_train_like_one_device(tmp_path):
     result = json.loads((tmp_path / "two" / "result.json").read_text())
     assert result["batch"]["devices"] == 2 and len(result["memory"]["per_rank"]) == 2
     assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+def test_an_older_gpu_pads_instead_of_packing_and_refuses_bf16(tiny_recipe, monkeypatch):
+    """The lab's V100 track (compute capability 7.0): no flash attention for packed rows, no litft Triton kernels
+    (each said in one line), and no bfloat16 (exit 2 naming the precisions that run)."""
+    import torch
+
+    from litft.model import model_config
+    from litft.plan import resolve
+    from litft.strategy import build_fabric
+
+    recipe = tiny_recipe(accelerator="auto", precision="16-mixed", data={"pack_steps": True})
+    plan = resolve(recipe, model_config(recipe), "cuda", 1, device_name="Tesla V100-SXM2-32GB", capability=(7, 0),
+                   triton_available=True)
+    assert not plan.packing and not plan.pack_steps and not plan.layers.triton_kernels and not plan.triton_loss
+    assert any("data.packing off" in note and "Tesla V100" in note for note in plan.notes)
+    assert any("train.triton_kernels off" in note for note in plan.notes)
+    ampere = resolve(recipe, model_config(recipe), "cuda", 1, capability=(8, 0), triton_available=True)
+    assert ampere.packing and ampere.layers.triton_kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    bf16 = load_recipe("tiny-llama-full", args=["--accelerator", "cuda"], validate_paths=False)
+    with pytest.raises(ConfigError, match="bf16-true needs a GPU with bfloat16.*Tesla V100.*use 16-mixed"):
+        build_fabric(bf16)

@@ -173,7 +173,8 @@ def main(fabric, recipe: Recipe, resume: str | None = None) -> RunResult:
     checkpoint = setup.load_resume(fabric, recipe, out_dir, resume) if resume is not None else None
     cuda = fabric.device.type == "cuda"
     plan = planning.resolve(recipe, config, fabric.device.type, fabric.world_size, data_stats=data.train.stats,
-                            device_name=torch.cuda.get_device_name(fabric.device) if cuda else None)
+                            device_name=torch.cuda.get_device_name(fabric.device) if cuda else None,
+                            capability=torch.cuda.get_device_capability(fabric.device) if cuda else None)
     train_sampler, val_sampler = setup.make_samplers(fabric, recipe, plan, data)
     micro_batches_per_epoch = len(train_sampler) * plan.loader_batch_size // recipe.train.micro_batch_size
     total_steps = planning.planned_steps(recipe, micro_batches_per_epoch)
