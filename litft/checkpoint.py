@@ -235,12 +235,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 _MUST_MATCH = (
     "model", "init", "method", "lora", "quantize", "precision", "data.path", "data.val_path", "data.val_split",
     "data.fields", "data.prompt_style", "data.max_seq_length", "data.mask_prompt", "data.packing", "data.pack_steps",
-    "data.fit_steps", "train.global_batch_size", "train.micro_batch_size", "devices", "seed", "optimizer.class_path",
+    "data.fit_steps", "train.global_batch_size", "train.micro_batch_size", "devices", "num_nodes", "strategy.name",
+    "seed", "optimizer.class_path",
 )
 # What a field missing from an older checkpoint meant, where that is not its default now: data.pack_steps was added
 # off (each micro-batch a fixed number of samples) and became the default later; before data.fit_steps the steps
 # took the plain shuffled order.
-_BEFORE_IT_EXISTED = {"data.pack_steps": False, "data.fit_steps": False}
+_BEFORE_IT_EXISTED = {"data.pack_steps": False, "data.fit_steps": False, "num_nodes": 1}
 # Changing these is allowed; the resumed run says which value wins.
 _WARN = ("train.epochs", "train.max_steps", "train.warmup_steps", "train.lr_schedule", "train.min_lr_ratio",
          "train.max_grad_norm", "optimizer.init_args")
@@ -256,6 +257,8 @@ def resume_differences(saved: dict, recipe: Recipe) -> tuple[list[str], list[str
     """(refusals, warnings) comparing the checkpoint's config with the recipe of the resuming run."""
     now = recipe_to_dict(recipe)
     defaults = recipe_to_dict(Recipe())
+    if isinstance(saved.get("strategy"), str):  # a recipe from before the strategy section: its name alone
+        saved = {**saved, "strategy": {"name": saved["strategy"]}}
 
     def then(key: str) -> Any:  # a field added after the checkpoint was written: the behaviour before it existed
         section, _, name = key.rpartition(".")

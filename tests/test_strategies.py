@@ -180,3 +180,17 @@ def test_an_older_gpu_pads_instead_of_packing_and_refuses_bf16(tiny_recipe, monk
     bf16 = load_recipe("tiny-llama-full", args=["--accelerator", "cuda"], validate_paths=False)
     with pytest.raises(ConfigError, match="bf16-true needs a GPU with bfloat16.*Tesla V100.*use 16-mixed"):
         build_fabric(bf16)
+
+
+def test_a_checkpoint_resumes_only_under_its_own_strategy_and_ranks():
+    from litft.checkpoint import resume_differences
+    from litft.recipe import recipe_to_dict
+
+    saved = recipe_to_dict(load_recipe("tiny-llama-full", args=["--devices", "2"], validate_paths=False))
+    fsdp = load_recipe("tiny-llama-full", args=["--devices", "2", "--strategy", "fsdp"], validate_paths=False)
+    refuse, _ = resume_differences(saved, fsdp)
+    assert any(r.startswith("strategy.name: checkpoint 'auto', now 'fsdp'") for r in refuse)
+    older = {**saved, "strategy": "auto"}
+    older.pop("num_nodes")  # a config written before num_nodes and the strategy section
+    same = load_recipe("tiny-llama-full", args=["--devices", "2"], validate_paths=False)
+    assert resume_differences(older, same) == ([], [])
