@@ -24,8 +24,10 @@ commands:
   finetune --config NAME|PATH [--key value ...] [--overwrite] [--resume auto|CHECKPOINT]
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
   sweep --config NAME|PATH --grid KEY=V1,V2 [--grid ...] [--out DIR] [--repeat N] [--timeout S] [--dry-run]
-        [--key value ...]
-                                              every combination as its own run; out of memory is a row
+        [--rerun] [--key value ...]
+  sweep --plan FILE [--out DIR] [--timeout S] [--dry-run] [--rerun] [--key value ...]
+                                              every run in its own process; out of memory is a row; started again,
+                                              it goes on where it stopped
   env                                         versions, GPUs and what litft can use on this machine
   compare PATH... [--format md|csv|json] [--fields f1,f2] [--by KEY] [--sort [-]KEY] [--plot DIR]
                                               a table (and charts) of runs: run dirs or sweep/bench dirs
@@ -364,25 +366,37 @@ def cmd_sweep(args: list[str]) -> int:
         print(sweep.__doc__)
         return 0
     config = _take_option(args, "--config")
+    plan = _take_option(args, "--plan")
     out = _take_option(args, "--out")
     timeout = _take_option(args, "--timeout")
     dry_run = _take_flag(args, "--dry-run")
+    rerun = _take_flag(args, "--rerun")
     repeat = _take_option(args, "--repeat")
     specs = []
     while (spec := _take_option(args, "--grid")) is not None:
         specs.append(spec)
-    if config is None:
-        raise ConfigError("sweep needs --config NAME|PATH and at least one --grid KEY=V1,V2,...; litft sweep --help")
-    grid = sweep.parse_grid(specs)
     try:
         seconds = float(timeout) if timeout is not None else None
     except ValueError:
         raise ConfigError(f"--timeout: expected seconds, got '{timeout}'") from None
+    if plan is not None:
+        if config is not None or specs or repeat is not None:
+            raise ConfigError("sweep --plan FILE lists its runs itself: leave out --config, --grid and --repeat")
+        options, runs = sweep.read_plan(plan)
+        common = args  # overrides on the command line apply to every run of the plan
+        runs = [(name, recipe, overrides + common) for name, recipe, overrides in runs]
+        return sweep.run_planned(runs, out or options["out"] or f"out/sweep-{Path(plan).stem}",
+                                 timeout=seconds if seconds is not None else options["timeout"], dry_run=dry_run,
+                                 source=plan, rerun=rerun)
+    if config is None:
+        raise ConfigError("sweep needs --config NAME|PATH and at least one --grid KEY=V1,V2,..., or --plan FILE;"
+                          " litft sweep --help")
+    grid = sweep.parse_grid(specs)
     if repeat is not None and not repeat.isdigit():
         raise ConfigError(f"--repeat: expected a number of runs per combination, got '{repeat}'")
     out = out or f"out/sweep-{Path(config).stem}"
     return sweep.run_sweep(config, grid, out, common=args, timeout=seconds, dry_run=dry_run,
-                           repeat=int(repeat) if repeat else 1)
+                           repeat=int(repeat) if repeat else 1, rerun=rerun)
 
 
 COMMANDS = {

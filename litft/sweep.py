@@ -15,6 +15,19 @@ A value holding commas goes in brackets: `--grid optimizer.betas=[0.9,0.95],[0.9
 combination and prints the commands without running them. `--repeat 3` runs each combination three times and adds
 the spread of its tok/s and step time (mean, standard deviation, min-max) to the table.
 
+A plan (`litft sweep --plan FILE`) lists runs of any recipes, each with its own settings or grid:
+
+    out: out/lab-part1                 # --out overrides it
+    timeout: 900                       # seconds per run (--timeout overrides it)
+    set: {init: random, train.max_steps: 20}   # settings of every run
+    runs:
+      - {name: full-32-true, config: tiny-llama-full, set: {precision: 32-true}}
+      - {name: lora, config: tiny-llama-lora, grid: {train.micro_batch_size: [2, 4, 8]}}   # lora_micro_batch_size-2, ...
+
+Each run's outcome (ok, out of memory, host memory, timeout, non-finite loss, data error, config error, error) goes
+into OUT/outcomes.json as it ends and into the table's Outcomes section. Started again on the same OUT, a sweep skips
+the runs that have an outcome, so a sweep that was stopped midway goes on where it stopped (--rerun runs all again).
+
 From Python: ``litft.sweep.run_sweep("tiny-llama-lora", {"train.micro_batch_size": [1, 2, 4]}, "out/sweep")``.
 """
 
@@ -34,6 +47,13 @@ from litft.errors import ConfigError
 from litft.files import make_dir, write_text_atomic, writing
 
 OUT_OF_MEMORY_EXIT = 4  # litft finetune's exit code for out of memory: a result in a sweep
+OUTCOMES = {0: "ok", 2: "config error", 3: "non-finite loss", 4: "out of memory", 5: "data error",
+            6: "checkpoint or file error", 130: "interrupted", -9: "host memory (killed by the OS)",
+            137: "host memory (killed by the OS)", None: "timeout"}
+"""A run's outcome by its exit code (litft's exit codes; -9: SIGKILL, which the kernel's out-of-memory killer
+sends when the host's RAM runs out)."""
+RESULTS = (0, OUT_OF_MEMORY_EXIT)
+"""Outcomes that are results of the sweep (the run finished, or the setting does not fit): the sweep exits 0."""
 
 
 def split_values(text: str) -> list[str]:
@@ -84,58 +104,131 @@ def overrides_of(combination: list[tuple[str, str]]) -> list[str]:
     return [token for key, value in combination for token in (f"--{key}", value)]
 
 
-def check(config: str, common: list[str], runs: list[tuple[str, list[tuple[str, str]]]]) -> None:
-    """Load and validate every combination before anything runs: all problems at once, named by run."""
+def check(runs: list[tuple[str, str, list[str]]], source: str) -> None:
+    """Load and validate every run (name, recipe, overrides) before anything runs: all problems at once, by run."""
     from litft.recipe import load_recipe, validate
 
     problems: list[str] = []
-    for name, combination in runs:
+    for name, config, overrides in runs:
         try:
-            recipe = load_recipe(config, args=common + overrides_of(combination))
+            recipe = load_recipe(config, args=overrides)
         except ConfigError as err:
             problems += [f"{name}: {problem}" for problem in err.problems]
             continue
         problems += [f"{name}: {problem}" for problem in validate(recipe)]
     if problems:
-        raise ConfigError(problems, source=f"sweep of {config}")
+        raise ConfigError(problems, source=source)
+
+
+def _cli_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def read_plan(path: str | Path) -> tuple[dict, list[tuple[str, str, list[str]]]]:
+    """A sweep plan (see the module docstring): its options (out, timeout) and its runs as (name, recipe,
+    overrides), grids expanded. Every problem of the file at once, as a ConfigError (exit 2)."""
+    from litft.recipe.load import read_recipe_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--plan: '{path}' is not a file (a sweep plan: see litft sweep --help)")
+    plan = read_recipe_file(path)  # strict YAML: duplicate keys and empty files are errors, with their lines
+    problems: list[str] = []
+    unknown = sorted(set(plan) - {"out", "timeout", "set", "runs"})
+    if unknown:
+        problems.append(f"unknown key(s) {', '.join(unknown)}: a plan has out, timeout, set and runs")
+    common = plan.get("set") or {}
+    entries = plan.get("runs")
+    if not isinstance(common, dict):
+        problems.append("set: expected a mapping of settings, e.g. {train.max_steps: 20}")
+        common = {}
+    if not isinstance(entries, list) or not entries:
+        problems.append("runs: expected a list of runs, each {name, config, set and/or grid}")
+        entries = []
+    runs: list[tuple[str, str, list[str]]] = []
+    for index, entry in enumerate(entries, 1):
+        where = f"runs[{index}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("config"), str) or not entry.get("name"):
+            problems.append(f"{where}: expected a mapping with name and config (a recipe), and set and/or grid")
+            continue
+        extra = sorted(set(entry) - {"name", "config", "set", "grid"})
+        if extra:
+            problems.append(f"{where} ({entry['name']}): unknown key(s) {', '.join(extra)}")
+        settings = {**common, **(entry.get("set") or {})}
+        base = [token for key, value in settings.items() for token in (f"--{key}", _cli_value(value))]
+        grid = entry.get("grid")
+        if grid is None:
+            runs.append((str(entry["name"]), entry["config"], base))
+            continue
+        if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+            problems.append(f"{where} ({entry['name']}): grid: expected KEY: [V1, V2, ...]")
+            continue
+        for combination in combinations({k: [_cli_value(v) for v in values] for k, values in grid.items()}):
+            runs.append((f"{entry['name']}_{run_name(combination)}", entry["config"], base + overrides_of(combination)))
+    names = [name for name, _, _ in runs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        problems.append(f"run names given twice: {', '.join(twice)}; each run needs its own name")
+    if plan.get("timeout") is not None and not isinstance(plan["timeout"], (int, float)):
+        problems.append(f"timeout: expected seconds, got {plan['timeout']!r}")
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    return {"out": plan.get("out"), "timeout": plan.get("timeout")}, runs
 
 
 def run_sweep(
     config: str, grid: dict[str, list[Any]], out: str | Path, common: list[str] | None = None,
-    timeout: float | None = None, say=print, dry_run: bool = False, repeat: int = 1,
+    timeout: float | None = None, say=print, dry_run: bool = False, repeat: int = 1, rerun: bool = False,
 ) -> int:
     """Run every combination (see the module docstring); return the sweep's exit code. `dry_run`: check every
     combination and print the commands, run nothing. `repeat`: run each combination that many times (NAME_rep1,
     ...) and add each combination's spread of tok/s and step time to the table."""
-    from litft import report
-
     common = list(common or [])
-    if any(token in ("--out_dir", "--resume") or token.startswith(("--out_dir=", "--resume=")) for token in common):
-        raise ConfigError("sweep: out_dir and resume are set per run (OUT/runs/NAME); leave them out")
-    out = Path(out)
-    runs = [(run_name(combination), combination) for combination in combinations(grid)]
-    if len({name for name, _ in runs}) != len(runs):
+    runs = [(run_name(combination), config, common + overrides_of(combination))
+            for combination in combinations(grid)]
+    if len({name for name, _, _ in runs}) != len(runs):
         raise ConfigError("sweep: two combinations give the same run name; make the grid values distinct")
-    check(config, common, runs)
     if repeat < 1:
         raise ConfigError(f"--repeat: expected 1 or more runs per combination, got {repeat}")
-    groups = {name: [f"{name}_rep{r}" for r in range(1, repeat + 1)] if repeat > 1 else [name] for name, _ in runs}
-    runs = [(run, combination) for name, combination in runs for run in groups[name]]
+    groups = {name: [f"{name}_rep{r}" for r in range(1, repeat + 1)] if repeat > 1 else [name] for name, _, _ in runs}
+    runs = [(run, recipe, overrides) for name, recipe, overrides in runs for run in groups[name]]
+    return run_planned(runs, out, timeout=timeout, say=say, dry_run=dry_run, groups=groups if repeat > 1 else None,
+                       source=f"sweep of {config}", rerun=rerun)
+
+
+def run_planned(runs: list[tuple[str, str, list[str]]], out: str | Path, timeout: float | None = None, say=print,
+                dry_run: bool = False, groups: dict[str, list[str]] | None = None, source: str = "sweep",
+                rerun: bool = False) -> int:
+    """Run each (name, recipe, overrides) in its own process into OUT/runs/NAME, recording its outcome; runs with an
+    outcome in OUT/outcomes.json already are skipped unless ``rerun``. Returns the sweep's exit code."""
+    from litft import report
+
+    if any(token in ("--out_dir", "--resume") or token.startswith(("--out_dir=", "--resume="))
+           for _, _, overrides in runs for token in overrides):
+        raise ConfigError("sweep: out_dir and resume are set per run (OUT/runs/NAME); leave them out")
+    out = Path(out)
+    check(runs, source)
     if dry_run:
-        for index, (name, combination) in enumerate(runs, 1):
-            command = ["litft", "finetune", "--config", config, *common, *overrides_of(combination),
-                       "--out_dir", str(out / "runs" / name)]
+        for index, (name, config, overrides) in enumerate(runs, 1):
+            command = ["litft", "finetune", "--config", config, *overrides, "--out_dir", str(out / "runs" / name)]
             say(f"[{index}/{len(runs)}] {name}: {' '.join(command)}")
         say(f"{len(runs)} run(s) checked; --dry-run: nothing ran")
         return 0
 
-    failed: list[str] = []
-    for index, (name, combination) in enumerate(runs, 1):
+    outcomes_path = out / "outcomes.json"
+    outcomes: dict[str, dict] = {}
+    if outcomes_path.is_file() and not rerun:
+        outcomes = json.loads(outcomes_path.read_text(encoding="utf-8"))
+    failed: list[str] = [name for name, outcome in outcomes.items() if outcome["exit_code"] not in RESULTS]
+    for index, (name, config, overrides) in enumerate(runs, 1):
+        if name in outcomes:
+            say(f"[{index}/{len(runs)}] {name}: {outcomes[name]['outcome']} in an earlier start of this sweep;"
+                " skipped (--rerun runs it again)")
+            continue
         run_dir = out / "runs" / name
         make_dir(run_dir, "the run's folder", "--out")
-        command = [sys.executable, "-m", "litft.cli", "finetune", "--config", config, *common,
-                   *overrides_of(combination), "--out_dir", str(run_dir), "--overwrite",
-                   "--logging.progress", "plain"]
+        command = [sys.executable, "-m", "litft.cli", "finetune", "--config", config, *overrides,
+                   "--out_dir", str(run_dir), "--overwrite", "--logging.progress", "plain"]
         say(f"[{index}/{len(runs)}] {name}: {' '.join(command[3:])}")
         start = time.perf_counter()
         log_path = run_dir / "log.txt"
@@ -150,11 +243,16 @@ def run_sweep(
                     log.write(f"\nlitft sweep: timeout: the run took more than {timeout:.0f} s and was stopped\n"
                               .encode())
         seconds = time.perf_counter() - start
-        what = {0: "ok", OUT_OF_MEMORY_EXIT: "out of memory (a result)", None: "timed out"}.get(code, f"exit {code}")
-        say(f"[{index}/{len(runs)}] {name}: {what} in {seconds:.0f} s")
-        if code not in (0, OUT_OF_MEMORY_EXIT):
+        what = OUTCOMES.get(code, f"error (exit {code})")
+        say(f"[{index}/{len(runs)}] {name}: {what}{' (a result)' if code == OUT_OF_MEMORY_EXIT else ''} in"
+            f" {seconds:.0f} s")
+        if code not in RESULTS:
             failed.append(name)
-        write_tables(out, report, groups if repeat > 1 else None)
+        outcomes[name] = {"outcome": what, "exit_code": code, "seconds": round(seconds, 1),
+                          "message": last_message(log_path)}
+        write_text_atomic(outcomes_path, json.dumps(outcomes, indent=2), what="the sweep's outcomes",
+                          setting="--out")
+        write_tables(out, report, groups, outcomes)
 
     say("")
     with open(out / "sweep.md", encoding="utf-8") as table:
@@ -166,11 +264,26 @@ def run_sweep(
     return 0
 
 
-def write_tables(out: Path, report, groups: dict[str, list[str]] | None = None) -> None:
-    """OUT/sweep.md and OUT/sweep.csv from every run so far (the same as `litft compare OUT`), and with repeats the
-    spread of each combination."""
+def last_message(log_path: Path) -> str:
+    """The last line litft wrote to a run's log (its error, for a run that failed)."""
+    try:
+        lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [line for line in lines if line.startswith("litft")]
+    return (said or [line for line in lines if line.strip()] or [""])[-1].strip()[:300]
+
+
+def write_tables(out: Path, report, groups: dict[str, list[str]] | None = None,
+                 outcomes: dict[str, dict] | None = None) -> None:
+    """OUT/sweep.md and OUT/sweep.csv from every run so far (the same as `litft compare OUT`), with each run's
+    outcome, and with repeats the spread of each combination."""
     runs = report.load_runs([out])
     text = report.table(runs, None, "md") + "\n"
+    if outcomes:
+        text += "\n## Outcomes\n\n| run | outcome | exit | seconds | last message |\n|---|---|---:|---:|---|\n"
+        text += "".join(f"| {name} | {o['outcome']} | {o['exit_code']} | {o['seconds']:.0f} |"
+                        f" {o['message'].replace('|', '/')} |\n" for name, o in outcomes.items())
     if groups:
         text += "\n" + "\n".join(spread_lines(out, groups)) + "\n"
     write_text_atomic(out / "sweep.md", text, what="the sweep's table", setting="--out")

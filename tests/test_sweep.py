@@ -55,7 +55,7 @@ def test_a_failed_run_is_a_row_and_the_sweep_goes_on(tmp_path, capsys):
                  "--out", str(out), *COMMON])
     assert code == 1  # a run failed for a reason other than running out of memory
     text = capsys.readouterr().out
-    assert "exit 5" in text and "ok in" in text
+    assert "data error in" in text and "ok in" in text
     table = (out / "sweep.md").read_text()
     assert "data error" in table and "| ok " in table and "line 2" in table
     good = next(p for p in (out / "runs").iterdir() if "instructions" in p.name)
@@ -76,3 +76,79 @@ def test_repeats_add_the_spread_of_each_combination(tmp_path):
     row = next(line for line in (out / "sweep.md").read_text().splitlines() if line.startswith("| micro_batch_size-16 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "2 of 2" and cells[2] == f"{sum(rates) / 2:,.0f}"
+
+
+PLAN = """\
+timeout: 600
+set: {train.max_steps: 2, eval.initial: false, eval.interval: 0, data.num_workers: 0, logging.tensorboard: false}
+runs:
+  - {name: ok, config: demo}
+  - {name: bad-data, config: demo, set: {data.path: BAD}}
+  - name: mb
+    config: demo
+    grid: {train.micro_batch_size: [8]}
+"""
+
+
+def _plan(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\nnot json\n')
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.replace("BAD", str(bad)))
+    return plan
+
+
+def test_a_plan_runs_every_entry_records_each_outcome_and_a_second_start_skips_them(tmp_path, capsys):
+    from litft.cli import main
+
+    out = tmp_path / "out"
+    assert main(["sweep", "--plan", str(_plan(tmp_path)), "--out", str(out)]) == 1  # a data error is not a result
+    outcomes = json.loads((out / "outcomes.json").read_text())
+    assert {name: o["outcome"] for name, o in outcomes.items()} == {
+        "ok": "ok", "bad-data": "data error", "mb_micro_batch_size-8": "ok"}
+    assert "line 2" in outcomes["bad-data"]["message"] and outcomes["bad-data"]["exit_code"] == 5
+    table = (out / "sweep.md").read_text()
+    assert "## Outcomes" in table and "| bad-data | data error | 5 |" in table
+    capsys.readouterr()
+    assert main(["sweep", "--plan", str(_plan(tmp_path)), "--out", str(out)]) == 1
+    assert capsys.readouterr().out.count("in an earlier start of this sweep; skipped") == 3
+
+
+def test_a_sweep_stopped_midway_goes_on_where_it_stopped(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "litft.cli", "sweep", "--plan", str(_plan(tmp_path)), "--out", str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    outcomes = out / "outcomes.json"
+    deadline = time.time() + 900  # a hang guard
+    while time.time() < deadline and proc.poll() is None and not (
+            outcomes.is_file() and len(json.loads(outcomes.read_text())) >= 1):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the run it had started
+    proc.wait()
+    first = json.loads(outcomes.read_text())
+    assert len(first) < 3
+    log = (out / "runs" / "ok" / "log.txt").read_text()
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    assert rerun.returncode == 1, rerun.stdout[-2000:]
+    assert set(json.loads(outcomes.read_text())) == {"ok", "bad-data", "mb_micro_batch_size-8"}
+    assert (out / "runs" / "ok" / "log.txt").read_text() == log  # the finished run was not run again
+    assert "[1/3] ok: ok in an earlier start" in rerun.stdout
+
+
+def test_plan_problems_are_reported_at_once(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("runs:\n  - {name: a, config: demo, grid: {train.micro_batch_size: 8}}\n  - {config: demo}\n"
+                    "  - {name: a, config: demo, sett: {}}\nextra: 1\n")
+    from litft.sweep import read_plan
+
+    with pytest.raises(ConfigError) as err:
+        read_plan(plan)
+    text = str(err.value)
+    assert "unknown key(s) extra" in text and "grid: expected KEY: [V1, V2, ...]" in text
+    assert "runs[2]: expected a mapping with name and config" in text and "unknown key(s) sett" in text
