@@ -189,6 +189,7 @@ def resolve(recipe: Recipe, config, device: str, world_size: int, *, device_name
     True."""
     from litft import kernels
 
+    recipe = as_litgpt_runs(recipe) if recipe.train.speed == "litgpt" else recipe
     t, d = recipe.train, recipe.data
     precision = Precision(recipe.precision)
     cuda = device == "cuda"
@@ -258,6 +259,21 @@ def resolve(recipe: Recipe, config, device: str, world_size: int, *, device_name
         layers=layers, fused_step=fused_step, step_scales=step_scales, triton_adamw=triton_adamw,
         notes=tuple(notes),
     )
+
+
+def as_litgpt_runs(recipe: Recipe) -> Recipe:
+    """train.speed 'litgpt': the recipe with every speed switch off (LitGPT's layers, padded rows, eager, whole
+    logits) and torch's default optimizer step (foreach, not fused), as LitGPT's finetune scripts run."""
+    train = dataclasses.replace(
+        recipe.train, compile="never", cuda_graphs="never", fast_lora=False, fused_rms_norm=False,
+        fast_attention=False, lean_swiglu=False, lean_mixed_linear=False, grad_into_weights=False,
+        triton_kernels=False, loss_chunk=0)
+    data = dataclasses.replace(recipe.data, packing=False, pack_steps=False, fit_steps=False, pack_capacity=None)
+    init_args = dict(recipe.optimizer.init_args)
+    if init_args.get("fused") is None and init_args.get("foreach") is None:
+        init_args["fused"] = False  # torch's own choice (foreach on CUDA), not litft's fused=True
+    optimizer = dataclasses.replace(recipe.optimizer, init_args=init_args)
+    return dataclasses.replace(recipe, train=train, data=data, optimizer=optimizer)
 
 
 def plan_for_estimate(recipe: Recipe, config, compiled: bool | None = None) -> Plan:

@@ -1089,3 +1089,36 @@ def test_grad_into_weights_trains_alike_and_only_where_it_applies(tiny_recipe, t
     assert not plan(tiny_recipe(method=method, devices=2, accelerator="auto", strategy="fsdp"), devices=2)
     assert not plan(tiny_recipe(method=method, train={"compile": "always"}))
     assert plan(tiny_recipe(method=method))
+
+
+def test_speed_litgpt_turns_every_speed_choice_off_and_the_ledger_follows(tiny_recipe):
+    """train.speed 'litgpt': LitGPT's layers, padded rows, eager, whole logits, torch's default optimizer step; the
+    ledger predicts that path (whole logits and unpacked rows: more memory than litft's own)."""
+    from litft.memory import estimate_memory
+    from litft.model import model_config
+    from litft.plan import resolve
+
+    fast = tiny_recipe(accelerator="auto", precision="bf16-true", method="full")
+    litgpt = tiny_recipe(accelerator="auto", precision="bf16-true", method="full", train={"speed": "litgpt"})
+    plan = resolve(litgpt, model_config(litgpt), "cuda", 1, triton_available=True)
+    layers = plan.layers
+    assert not (plan.packing or plan.pack_steps or plan.cuda_graphs or plan.compile or plan.loss_chunk
+                or plan.triton_loss or plan.fused_step or plan.step_scales or plan.triton_adamw)
+    assert not (layers.fast_lora or layers.fused_rms_norm or layers.fast_attention or layers.lean_swiglu
+                or layers.grad_into_weights or layers.triton_kernels)
+    fast_plan = resolve(fast, model_config(fast), "cuda", 1, triton_available=True)
+    assert fast_plan.packing and fast_plan.cuda_graphs and fast_plan.fused_step
+    assert (estimate_memory(litgpt, compiled=False).total_gib > estimate_memory(fast, compiled=False).total_gib)
+
+
+def test_speed_litgpt_trains_like_the_fast_path_on_the_cpu(tiny_recipe, tmp_path):
+    """The same samples per step, computed LitGPT's way: the same losses up to rounding."""
+    from litft import finetune
+
+    litgpt = finetune(tiny_recipe(train={"speed": "litgpt", "max_steps": 2}, out_dir=str(tmp_path / "litgpt")))
+    fast = finetune(tiny_recipe(train={"max_steps": 2}, out_dir=str(tmp_path / "fast")))
+    assert litgpt.status == "ok" and litgpt.result["steps"] == 2
+    plan = litgpt.result["plan"]
+    assert not plan["packing"] and plan["loss_chunk"] == 0 and not plan["layers"]["fast_attention"]
+    for key in ("train_first", "train_last"):
+        assert litgpt.result["losses"][key] == pytest.approx(fast.result["losses"][key], rel=1e-4)

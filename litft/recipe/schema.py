@@ -160,6 +160,11 @@ class TrainConfig:
     keep_last_n: int = 2
     """Committed checkpoints to keep (the oldest goes after a commit)."""
 
+    speed: Literal["fast", "litgpt"] = "fast"
+    """'fast': litft's speed choices, as the switches below allow. 'litgpt': what LitGPT's finetune scripts run, for
+    the lab's lessons and side-by-side comparisons: LitGPT's layers, padded batches, eager blocks, whole logits and
+    torch's default optimizer step (every switch below off); the ledger predicts that path too."""
+
     compile: Literal["auto", "always", "never"] = "auto"
     """torch.compile blocks; auto: where it pays (the speed line says why)."""
 
