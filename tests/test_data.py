@@ -716,3 +716,28 @@ def test_largest_batches_give_every_packed_width_for_up_front_captures():
     padded = collate_function(pad_id=0, packing=False, fixed_shapes=True, micro_batch_size=4)
     assert len(largest_batches(lengths, 4, padded, pad_id=0, widths=16)) == 2  # (B, T) shapes: captured as met
     assert GRAPH_MULTIPLE == 256
+
+
+def test_a_data_set_by_name_comes_from_the_cache_and_offline_says_how_to_supply_it(tiny_recipe, tmp_path, monkeypatch):
+    """data.path alpaca2k: fetched once into litft's cache (the tests' cache is a temporary folder); without the
+    `datasets` package or a network, a data error (exit 5) naming the repository and where the file may go."""
+    import sys
+
+    from litft.data import sources
+    from litft.errors import DataError
+    from litft.recipe import validate
+
+    recipe = tiny_recipe(data={"path": "alpaca2k", "val_split": 0.5})
+    assert validate(recipe, check_paths=True) == []  # a name, not a missing file
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails, as where it is not installed
+    with pytest.raises(DataError, match="mhenrichsen/alpaca_2k_test.*pip install datasets.*alpaca2k.json"):
+        sources.local_path("alpaca2k")
+    cached = sources.cache_dir() / "alpaca2k.json"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps([{"instruction": f"Say {i}.", "input": "", "output": f"{i} said."}
+                                  for i in range(40)]))
+    from litft import finetune
+
+    run = finetune(tiny_recipe(data={"path": "alpaca2k", "val_split": 0.5}, train={"max_steps": 1}))
+    assert run.status == "ok" and run.result["data"]["train"]["samples"] == 20
+    assert run.result["data"]["train_source"] == str(cached)

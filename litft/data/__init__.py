@@ -91,13 +91,13 @@ def prepare_data(cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> PreparedDa
     """Read, split (or read ``val_path``), tokenize. Every data problem raises DataError here, before any model is
     loaded; an unknown prompt style raises ConfigError."""
     style = resolve_prompt_style(cfg.prompt_style)  # a typo in the style should not wait for the file to be read
-    path = resolve_path(cfg.path)
+    path = data_file(cfg.path)
     records = read_records(path, cfg.fields)
     if cfg.val_path is None:
         train_records, val_records = split_records(records, cfg.val_split, seed)
         val_source = f"{len(val_records)} of {len(records)} records of {path} held out (data.val_split {cfg.val_split})"
     else:
-        val_path = resolve_path(cfg.val_path)
+        val_path = data_file(cfg.val_path)
         train_records, val_records = records, read_records(val_path, cfg.fields)
         val_source = str(val_path)
 
@@ -148,3 +148,11 @@ def build_dataloader(
         # uninterrupted run drew (the order of samples comes from the sampler, seeded by (seed, epoch)).
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def data_file(path: str):
+    """data.path or data.val_path as a file: a named data set (litft.data.sources: 'alpaca2k') from the cache,
+    fetched once; anything else a path as recipes give them."""
+    from litft.data import sources
+
+    return sources.local_path(path) if sources.is_named(path) else resolve_path(path)

@@ -87,7 +87,8 @@ class DataConfig:
     """The instruction data set and how it becomes token sequences."""
 
     path: str = "litft:demo/instructions.jsonl"
-    """Alpaca-format data: a .json file holding a list of records, or a .jsonl file with one record per line."""
+    """Alpaca-format data: a .json file holding a list of records, a .jsonl file with one record per line, or a data
+    set by name ('alpaca2k', the lab's: fetched once from the Hugging Face hub with `datasets`, then cached)."""
 
     val_path: Optional[str] = None
     """A separate validation file in the same format. When unset, `val_split` of `path` is held out."""

@@ -191,8 +191,10 @@ def _model_problems(recipe: Recipe, check_paths: bool) -> list[str]:
             problems += checkpoint_dir_problems(resolve_path(m.checkpoint_dir), "model.checkpoint_dir", m.name)
     if check_paths:
         problems += _tokenizer_problems(recipe)
+        from litft.data.sources import is_named  # a data set by name is fetched when the run reads it
+
         for key, value in [("data.path", d.path), ("data.val_path", d.val_path)]:
-            if value is not None and not resolve_path(value).is_file():
+            if value is not None and not is_named(value) and not resolve_path(value).is_file():
                 problems.append(f"{key}: no such file '{value}'")
     return problems
 
