@@ -28,6 +28,8 @@ commands:
   sweep --plan FILE [--out DIR] [--timeout S] [--dry-run] [--rerun] [--key value ...]
                                               every run in its own process; out of memory is a row; started again,
                                               it goes on where it stopped
+  convert FILE [--out RECIPE.yaml]            a LitGPT finetune config as a litft recipe (finetune --config takes it
+                                              as it is, too)
   env                                         versions, GPUs and what litft can use on this machine
   compare PATH... [--format md|csv|json] [--fields f1,f2] [--by KEY] [--sort [-]KEY] [--plot DIR]
                                               a table (and charts) of runs: run dirs or sweep/bench dirs
@@ -399,8 +401,27 @@ def cmd_sweep(args: list[str]) -> int:
                            repeat=int(repeat) if repeat else 1, rerun=rerun)
 
 
+def cmd_convert(args: list[str]) -> int:
+    """A LitGPT finetune config (or any recipe) as the litft recipe it reads as, in YAML."""
+    from litft.recipe import load_recipe, recipe_to_yaml
+
+    out = _take_option(args, "--out")
+    if len(args) != 1 or args[0].startswith("--"):
+        raise ConfigError("convert needs one file: litft convert LITGPT_CONFIG.yaml [--out RECIPE.yaml]")
+    text = recipe_to_yaml(load_recipe(args[0], validate_paths=False))
+    if out is None:
+        print(text, end="")
+        return 0
+    from litft.files import write_text_atomic
+
+    write_text_atomic(Path(out), text, what="the converted recipe", setting="--out")
+    print(f"wrote {out}")
+    return 0
+
+
 COMMANDS = {
     "finetune": cmd_finetune,
+    "convert": cmd_convert,
     "sweep": cmd_sweep,
     "validate": cmd_validate,
     "estimate": cmd_estimate,

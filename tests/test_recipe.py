@@ -411,3 +411,69 @@ def test_litgpt_short_forms_of_optimizer_and_quantize(tmp_path):
     assert (recipe.method, recipe.quantize, recipe.optimizer.class_path) == ("qlora", "nf4-dq", "torch.optim.SGD")
     with pytest.raises(ConfigError, match="'bnb.int8' is not one of"):
         load_recipe("tiny-llama-lora", args=["--quantize", "bnb.int8"], validate_paths=False)
+
+
+LITGPT_LAB_CONFIG = """\
+checkpoint_dir: CKPT
+out_dir: out/finetune/lora-tiny-llama-1.1b
+precision: 32-true
+quantize:
+devices: 1
+num_nodes: 1
+lora_r: 32
+lora_alpha: 16
+lora_dropout: 0.05
+lora_query: true
+lora_key: true
+lora_value: true
+lora_projection: true
+lora_mlp: true
+lora_head: true
+data:
+  class_path: litgpt.data.JSON
+  init_args: {json_path: DATA, mask_prompt: false, val_split_fraction: 0.5, prompt_style: alpaca, ignore_index: -100,
+              seed: 42, num_workers: 0}
+train: {save_interval: 100, log_interval: 1, global_batch_size: 16, micro_batch_size: 4, lr_warmup_steps: 10,
+        epochs: 1, max_tokens: null, max_steps: 2, max_seq_length: 96, tie_embeddings: null, max_norm: null,
+        min_lr: 6.0e-05}
+eval: {interval: 25, max_new_tokens: 100, max_iters: 100, initial_validation: false, final_validation: false}
+logger_name: csv
+seed: 1337
+optimizer:
+  class_path: torch.optim.AdamW
+  init_args: {lr: 0.0002, weight_decay: 0.0, betas: [0.9, 0.95]}
+"""
+
+
+def test_a_litgpt_lab_config_reads_as_a_recipe_with_its_mapping_printed(tmp_path, capsys, tiny_checkpoint_dir,
+                                                                         tiny_data_path):
+    from litft.cli import main
+
+    path = tmp_path / "lab.yaml"
+    path.write_text(LITGPT_LAB_CONFIG.replace("CKPT", str(tiny_checkpoint_dir)).replace("DATA", str(tiny_data_path)))
+    recipe = load_recipe(path)
+    err = capsys.readouterr().err
+    assert "is a LitGPT finetune config" in err and "lora_r -> lora.r = 32" in err
+    assert "data.init_args.seed -> (not used" in err
+    assert (recipe.method, recipe.lora.r, recipe.lora.alpha, recipe.lora.targets) == (
+        "lora", 32, 16, ["q", "k", "v", "o", "mlp", "head"])
+    assert (recipe.data.path, recipe.data.val_split, recipe.data.max_seq_length) == (str(tiny_data_path), 0.5, 96)
+    assert recipe.train.max_grad_norm is None and recipe.train.min_lr_ratio == pytest.approx(0.3)
+    assert recipe.train.warmup_steps == 10 and recipe.eval.max_batches == 100 and not recipe.logging.tensorboard
+    assert main(["convert", str(path), "--out", str(tmp_path / "recipe.yaml")]) == 0
+    assert load_recipe(tmp_path / "recipe.yaml").lora.targets == recipe.lora.targets  # a litft recipe now
+    qlora = tmp_path / "qlora.yaml"
+    qlora.write_text(path.read_text().replace("quantize:", "quantize: bnb.nf4"))
+    assert (load_recipe(qlora, validate_paths=False).method, load_recipe(qlora, validate_paths=False).quantize) == (
+        "qlora", "nf4")
+
+
+def test_litgpt_settings_without_an_equivalent_are_refused_by_name(tmp_path, capsys):
+    from litft.cli import main
+
+    path = tmp_path / "lab.yaml"
+    path.write_text("checkpoint_dir: x\nlogger_name: wandb\ntrain: {max_tokens: 1000}\n"
+                    "data: {class_path: litgpt.data.Deita}\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "logger_name: wandb" in err and "train.max_tokens: 1000" in err and "litgpt.data.Deita" in err

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import sys
 import typing
 from importlib import resources
 from pathlib import Path
@@ -34,6 +35,7 @@ from litft.recipe.schema import (  # noqa: F401
     plain,
     resolve_path,
 )
+from litft.recipe.litgpt_config import from_litgpt, is_litgpt_config
 from litft.recipe.validate import validate
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -566,6 +568,10 @@ def load_recipe(
         path = find_recipe(name_or_path)
         source = str(path)
         yaml_values = read_recipe_file(path)
+        if is_litgpt_config(yaml_values):
+            yaml_values, mapping = from_litgpt(yaml_values)
+            print(f"litft: {path} is a LitGPT finetune config; read as a litft recipe:\n  "
+                  + "\n  ".join(mapping), file=sys.stderr)
         if "optimizer" in yaml_values:
             yaml_values["optimizer"] = _optimizer_section(yaml_values["optimizer"], problems)
         if "strategy" in yaml_values:
