@@ -28,6 +28,8 @@ commands:
   sweep --plan FILE [--out DIR] [--timeout S] [--dry-run] [--rerun] [--key value ...]
                                               every run in its own process; out of memory is a row; started again,
                                               it goes on where it stopped
+  find-batch-size --config NAME|PATH [--memory-cap 32GiB] [--max 256] [--steps 3] [--write RECIPE.yaml]
+                                              the largest micro batch that fits, found by running it
   convert FILE [--out RECIPE.yaml]            a LitGPT finetune config as a litft recipe (finetune --config takes it
                                               as it is, too)
   env                                         versions, GPUs and what litft can use on this machine
@@ -419,8 +421,47 @@ def cmd_convert(args: list[str]) -> int:
     return 0
 
 
+def cmd_find_batch_size(args: list[str]) -> int:
+    """The largest micro batch that fits, found by running it (litft.batch_size)."""
+    from litft import batch_size
+
+    if "-h" in args or "--help" in args:
+        print(batch_size.__doc__)
+        return 0
+    config = _take_option(args, "--config")
+    cap = _take_option(args, "--memory-cap")
+    maximum = _take_option(args, "--max") or "256"
+    steps = _take_option(args, "--steps") or "3"
+    write = _take_option(args, "--write")
+    if config is None:
+        raise ConfigError("find-batch-size needs --config NAME|PATH; litft find-batch-size --help")
+    if not (maximum.isdigit() and int(maximum) >= 1 and steps.isdigit() and int(steps) >= 1):
+        raise ConfigError(f"--max and --steps: expected whole numbers from 1, got {maximum} and {steps}")
+    best, trials = batch_size.find_batch_size(config, args, cap, int(maximum), int(steps))
+    if best is None:
+        print("no micro batch fits, not even 1: see `litft estimate` for what takes the memory")
+        return 4
+    rate = next((t["tokens_per_sec"] for t in trials if t["micro"] == best), None)
+    print(f"largest micro batch that fits: {best}" + (f" ({units.rate(rate)} tok/s)" if rate else "")
+          + f", after {len(trials)} trial(s)")
+    if write is not None:
+        from litft.files import write_text_atomic
+        from litft.recipe import load_recipe, recipe_to_yaml
+
+        recipe = load_recipe(config, args=args + (["--memory_cap", cap] if cap else []), validate_paths=False)
+        per_step = best * recipe.world_size
+        global_batch = max(per_step, -(-recipe.train.global_batch_size // per_step) * per_step)
+        recipe = load_recipe(config, args=args + (["--memory_cap", cap] if cap else []) + [
+            "--train.micro_batch_size", str(best), "--train.global_batch_size", str(global_batch)],
+            validate_paths=False)
+        write_text_atomic(Path(write), recipe_to_yaml(recipe), what="the recipe copy", setting="--write")
+        print(f"wrote {write}: micro_batch_size {best}, global_batch_size {global_batch}")
+    return 0
+
+
 COMMANDS = {
     "finetune": cmd_finetune,
+    "find-batch-size": cmd_find_batch_size,
     "convert": cmd_convert,
     "sweep": cmd_sweep,
     "validate": cmd_validate,
