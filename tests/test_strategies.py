@@ -70,6 +70,7 @@ def test_more_devices_than_visible_gpus_is_refused_before_anything_runs(monkeypa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     recipe = load_recipe("tiny-llama-full", args=["--devices", "2", "--accelerator", "cuda"], validate_paths=False)
     with pytest.raises(ConfigError, match="devices: 2 asked for, 1 CUDA GPU"):
         build_fabric(recipe)
