@@ -124,6 +124,19 @@ def _cli_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def settings_args(settings: dict, problems: list[str]) -> list[str]:
+    """A plan's settings ({dotted.key: value}, sections such as optimizer: {class_path, lr} included) as command-line
+    overrides, in the shapes litft finetune takes."""
+    from litft.recipe.load import _as_args, _optimizer_section, _strategy_section
+
+    values = dict(settings)
+    if isinstance(values.get("optimizer"), (dict, str)):
+        values["optimizer"] = _optimizer_section(values["optimizer"], problems)
+    if "strategy" in values:
+        values["strategy"] = _strategy_section(values["strategy"], problems)
+    return _as_args(values)
+
+
 def read_plan(path: str | Path) -> tuple[dict, list[tuple[str, str, list[str]]]]:
     """A sweep plan (see the module docstring): its options (out, timeout) and its runs as (name, recipe,
     overrides), grids expanded. Every problem of the file at once, as a ConfigError (exit 2)."""
@@ -155,7 +168,7 @@ def read_plan(path: str | Path) -> tuple[dict, list[tuple[str, str, list[str]]]]
         if extra:
             problems.append(f"{where} ({entry['name']}): unknown key(s) {', '.join(extra)}")
         settings = {**common, **(entry.get("set") or {})}
-        base = [token for key, value in settings.items() for token in (f"--{key}", _cli_value(value))]
+        base = settings_args(settings, problems)
         grid = entry.get("grid")
         if grid is None:
             runs.append((str(entry["name"]), entry["config"], base))

@@ -152,3 +152,16 @@ def test_plan_problems_are_reported_at_once(tmp_path):
     text = str(err.value)
     assert "unknown key(s) extra" in text and "grid: expected KEY: [V1, V2, ...]" in text
     assert "runs[2]: expected a mapping with name and config" in text and "unknown key(s) sett" in text
+
+
+def test_every_shipped_plan_checks(capsys):
+    """plans/*.yaml: every run of every shipped plan loads and validates (--dry-run runs nothing)."""
+    from pathlib import Path
+
+    from litft.cli import main
+
+    plans = sorted((Path(__file__).resolve().parents[1] / "plans").glob("*.yaml"))
+    assert plans
+    for plan in plans:
+        assert main(["sweep", "--plan", str(plan), "--dry-run"]) == 0, plan
+        assert "nothing ran" in capsys.readouterr().out
