@@ -120,11 +120,16 @@ def save_checkpoint(out_dir: Path, recipe: Recipe, step: int, trainable: dict, o
     final = root / f"step-{step:06d}"
     write_dir_atomic(final, write, what, tmp=root / f".tmp-step-{step:06d}-{uuid.uuid4().hex[:8]}",
                      note="The previous checkpoints are untouched")
+    _prune(out_dir, keep_last_n)
+    return final
+
+
+def _prune(out_dir: Path, keep_last_n: int) -> None:
+    """After a commit: drop committed checkpoints beyond keep_last_n, and what killed saves left behind."""
     for old in committed_checkpoints(out_dir)[:-max(1, keep_last_n)]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step-*"):  # leftovers of a killed save
+    for stale in checkpoints_dir(out_dir).glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def _write_commit(folder: Path, recipe: Recipe, step: int) -> None:
@@ -142,7 +147,7 @@ def save_sharded_checkpoint(fabric, out_dir: Path, recipe: Recipe, step: int, mo
                             keep_last_n: int) -> Path:
     """FSDP and DeepSpeed: every rank writes its part of the weights and optimizer state into one temporary folder
     (fabric.save), then rank 0 adds state.pth, config.yaml and COMMIT.json and renames the folder into place."""
-    from litft.files import fsync_dir, fsync_file
+    from litft.files import move_dir_into_place
 
     root = checkpoints_dir(out_dir)
     what = f"the step-{step:06d} checkpoint"
@@ -160,16 +165,9 @@ def save_sharded_checkpoint(fabric, out_dir: Path, recipe: Recipe, step: int, mo
         with writing(what, final, note="The previous checkpoints are untouched"):
             torch_save(state, tmp / "state.pth")
             (tmp / "config.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
-            for file in tmp.rglob("*"):
-                if file.is_file():
-                    fsync_file(file)
             _write_commit(tmp, recipe, step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(root)
-        for old in committed_checkpoints(out_dir)[:-max(1, keep_last_n)]:
-            shutil.rmtree(old, ignore_errors=True)
+            move_dir_into_place(tmp, final)
+        _prune(out_dir, keep_last_n)
     fabric.barrier()
     return final
 

@@ -177,16 +177,22 @@ def write_dir_atomic(path: Path, write: Callable[[Path], None], what: str, tmp: 
         with writing(what, path, note=note):
             tmp.mkdir()
             write(tmp)
-            for file in tmp.rglob("*"):
-                if file.is_file():
-                    fsync_file(file)
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
+            move_dir_into_place(tmp, path)
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+def move_dir_into_place(tmp: Path, path: Path) -> None:
+    """Fsync every file of the finished folder ``tmp``, then put it in ``path``'s place whole (replacing the folder
+    there) and fsync the parent: a reader sees the old folder or the new one."""
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            fsync_file(file)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def write_text_atomic(path: Path, text: str, durable: bool = True, what: str | None = None,

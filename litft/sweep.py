@@ -120,10 +120,6 @@ def check(runs: list[tuple[str, str, list[str]]], source: str) -> None:
         raise ConfigError(problems, source=source)
 
 
-def _cli_value(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def settings_args(settings: dict, problems: list[str]) -> list[str]:
     """A plan's settings ({dotted.key: value}, sections such as optimizer: {class_path, lr} included) as command-line
     overrides, in the shapes litft finetune takes."""
@@ -140,7 +136,7 @@ def settings_args(settings: dict, problems: list[str]) -> list[str]:
 def read_plan(path: str | Path) -> tuple[dict, list[tuple[str, str, list[str]]]]:
     """A sweep plan (see the module docstring): its options (out, timeout) and its runs as (name, recipe,
     overrides), grids expanded. Every problem of the file at once, as a ConfigError (exit 2)."""
-    from litft.recipe.load import read_recipe_file
+    from litft.recipe.load import cli_value, read_recipe_file
 
     path = Path(path)
     if not path.is_file():
@@ -176,7 +172,7 @@ def read_plan(path: str | Path) -> tuple[dict, list[tuple[str, str, list[str]]]]
         if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
             problems.append(f"{where} ({entry['name']}): grid: expected KEY: [V1, V2, ...]")
             continue
-        for combination in combinations({k: [_cli_value(v) for v in values] for k, values in grid.items()}):
+        for combination in combinations({k: [cli_value(v) for v in values] for k, values in grid.items()}):
             runs.append((f"{entry['name']}_{run_name(combination)}", entry["config"], base + overrides_of(combination)))
     names = [name for name, _, _ in runs]
     twice = sorted({name for name in names if names.count(name) > 1})

@@ -533,17 +533,17 @@ def _as_args(values: dict, prefix: str = "") -> list[str]:
             if "class_path" in value:
                 args += ["--optimizer", str(value["class_path"])]
             for name, arg in value.get("init_args", {}).items():
-                args += [f"--optimizer.{name}", _cli_value(arg)]
+                args += [f"--optimizer.{name}", cli_value(arg)]
         elif isinstance(value, dict):
             args += _as_args(value, dotted + ".")
         elif dataclasses.is_dataclass(value):
             args += _as_args(dataclasses.asdict(value), dotted + ".")
         else:
-            args += [f"--{dotted}", _cli_value(value)]
+            args += [f"--{dotted}", cli_value(value)]
     return args
 
 
-def _cli_value(value: Any) -> str:
+def cli_value(value: Any) -> str:
     """A Python value as a CLI string: strings as they are (jsonargparse takes a str/Literal value verbatim), the rest
     as JSON, which jsonargparse reads as YAML."""
     return value if isinstance(value, str) else json.dumps(plain(value))

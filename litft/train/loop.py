@@ -328,7 +328,7 @@ def report(run: Run, status: str, throughput, clock, gpu: dict, worst_case, grap
     if rank_sum is not None:  # every rank got here: each one's own memory and speed
         own = throughput.summary(clock.durations)  # this rank's counts x world size
         own_rate = own["tokens_per_sec"] / fabric.world_size if own["tokens_per_sec"] else None
-        memory["per_rank"] = per_rank(fabric, memory, own_rate)
+        memory["per_rank"] = per_rank(fabric, memory["host_peak_rss_gib"], own_rate)
     extra = {"cuda_graphs": graph_stats, "compile": compiled, "optimizer": optimizer_used,
              "grad_into_weights": run.plan.layers.grad_into_weights, "loss_read": run.plan.loss_read(),
              "triton_kernels": run.plan.triton_summary()}

@@ -65,7 +65,6 @@ def memory_result(run, predicted, worst_case, gpu: dict) -> dict:
     largest micro-batch the run held, with its error against the measured peak reserved."""
     fabric, recipe = run.fabric, run.recipe
     mem = metrics.memory_stats(fabric.device)
-    mem["rank_peak_allocated_gib"], mem["rank_peak_reserved_gib"] = mem["peak_allocated_gib"], mem["peak_reserved_gib"]
     if fabric.world_size > 1 and fabric.device.type == "cuda":
         # max over ranks: the rank that ran out first decides whether the run fits
         peaks = torch.tensor([mem["peak_allocated_gib"], mem["peak_reserved_gib"]], device=fabric.device)
@@ -87,14 +86,14 @@ def memory_result(run, predicted, worst_case, gpu: dict) -> dict:
     return mem
 
 
-def per_rank(fabric, memory: dict, tokens_per_sec: float | None) -> list[dict] | None:
+def per_rank(fabric, host_peak_rss_gib: float, tokens_per_sec: float | None) -> list[dict] | None:
     """Every rank's peak memory, host RSS and real tokens per second (its own tokens over its own timed steps), for
     result.json and the summary; one all-gather, made only when every rank got here. None on one device."""
     if fabric.world_size == 1:
         return None
     nan = float("nan")
-    mine = [memory.get("rank_peak_allocated_gib"), memory.get("rank_peak_reserved_gib"),
-            memory.get("host_peak_rss_gib"), tokens_per_sec]
+    own = metrics.memory_stats(fabric.device)  # this rank's peaks (result.json's memory holds the max over ranks)
+    mine = [own["peak_allocated_gib"], own["peak_reserved_gib"], host_peak_rss_gib, tokens_per_sec]
     import torch.distributed as dist
 
     local = torch.tensor([nan if v is None else float(v) for v in mine], dtype=torch.float64, device=fabric.device)
