@@ -72,6 +72,7 @@ TAIL_DATA = ["--data.path", "out/bench-data/alpaca_tail10.json"]
 MULTI = RANDOM + TAIL_DATA + QUIET
 TINY_CKPT = ["--model.checkpoint_dir", "out/ckpt/tiny-llama"] + TAIL_DATA + QUIET
 TWO = ["--devices", "2"]
+FOUR = ["--devices", "4"]
 
 
 def switched(base: tuple[str, list[str]], *overrides: str) -> tuple[str, list[str]]:
@@ -179,6 +180,30 @@ SETS: dict[str, list[tuple]] = {
     "multi-gpu-offload": [
         ("13b-zero-offload-1gpu", "open-llama-13b-full-zero-offload", MULTI + steps(4)),
         ("13b-zero3-offload2", "open-llama-13b-full-zero3-offload", MULTI + steps(4) + TWO),
+    ],
+    # Scaling over 1, 2 and 4 GPUs (nvidia-h100-x4): TinyLlama full and LoRA under DDP, the global batch of each
+    # recipe fixed (LoRA on 4 GPUs at micro batch 4: 16 samples = 4 x 4); ZeRO-2 on 2 GPUs.
+    "scale-tiny": [
+        ("full-1gpu", "tiny-llama-full", TINY_CKPT + steps(30)),
+        ("full-ddp2", "tiny-llama-full-ddp", TINY_CKPT + steps(30) + TWO),
+        ("full-ddp4", "tiny-llama-full-ddp", TINY_CKPT + steps(30) + FOUR),
+        ("lora-1gpu", "tiny-llama-lora", TINY_CKPT + steps(30)),
+        ("lora-ddp2", "tiny-llama-lora", TINY_CKPT + steps(30) + TWO + ["--strategy", "ddp"]),
+        ("lora-ddp4", "tiny-llama-lora", TINY_CKPT + steps(30) + FOUR + ["--strategy", "ddp",
+                                                                          "--train.micro_batch_size", "4"]),
+        ("full-zero2", "tiny-llama-full", TINY_CKPT + steps(10) + TWO + ["--strategy", "deepspeed_stage_2"]),
+        ("full-fsdp4", "tiny-llama-full-fsdp", TINY_CKPT + steps(30) + FOUR),
+        ("full-ddp2-profile", "tiny-llama-full-ddp", TINY_CKPT + steps(24) + TWO + PROFILE),
+    ],
+    # OpenLLaMA-7B over 1, 2 and 4 GPUs: LoRA under DDP; full on one GPU and under FSDP at the same micro batch.
+    "scale-7b": [
+        ("7b-lora-1gpu", "open-llama-7b-lora", MULTI + steps(12)),
+        ("7b-lora-ddp2", "open-llama-7b-lora", MULTI + steps(12) + TWO + ["--strategy", "ddp"]),
+        ("7b-lora-ddp4", "open-llama-7b-lora", MULTI + steps(12) + FOUR + ["--strategy", "ddp"]),
+        ("7b-full-1gpu", "open-llama-7b-full", MULTI + steps(8)),
+        ("7b-full-fsdp2", "open-llama-7b-full-fsdp", MULTI + steps(8) + TWO),
+        ("7b-full-fsdp4", "open-llama-7b-full-fsdp", MULTI + steps(8) + FOUR),
+        ("13b-full-fsdp2", "open-llama-13b-full", MULTI + steps(20) + TWO + ["--strategy", "fsdp"]),
     ],
     # A CPU smoke test of this script itself.
     "cpu-smoke": [
