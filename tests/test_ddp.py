@@ -19,8 +19,8 @@ def _finetune(out_dir, *overrides: str) -> list[dict]:
 
 @pytest.mark.parametrize("pack_steps", [False, True])
 def test_two_ranks_train_like_one_device_accumulating(tmp_path, pack_steps):
-    """Each step's 16 samples are split between the 2 ranks (by positions); with the loss normalised by the step's loss tokens over
-    both ranks, 2 ranks x micro 8 make the same updates as 1 device x micro 8 x accumulation 2 (global 16).
+    """Each step's 16 samples are split between the 2 ranks (evenly by positions); with the loss normalised by the
+    step's loss tokens over both ranks, 2 ranks x micro 8 make the same updates as 1 device x micro 8 x accumulation 2 (global 16).
     With data.pack_steps each rank packs its own 8 samples: the ranks may run different numbers of micro-batches."""
     pack = ["--data.pack_steps", "true", "--train.micro_batch_size", "4"] if pack_steps else []
     one = _finetune(tmp_path / "one", "--devices", "1", "--train.micro_batch_size", "8", *pack)
