@@ -53,15 +53,18 @@ STRATEGIES = {
 
 
 def test_the_first_steps_loss_agrees_on_one_gpu_and_under_every_strategy(tmp_path):
-    """The same samples per step on 1 or 2 GPUs, so the same first loss (before any update) up to bf16 rounding,
-    and after 3 updates losses still within a few percent."""
+    """The same samples per step on 1 or 2 GPUs, so the same first loss (before any update) up to bf16 rounding.
+    DDP and FSDP update the bf16 weights as one GPU does, so their third loss agrees too; DeepSpeed keeps fp32
+    master weights under bf16 (updates too small for a bf16 weight still count there), so its later losses differ:
+    lower, as with 32-bit weights (seen on 2 H200s at step 3: 4.94 against 5.55)."""
     pytest.importorskip("deepspeed")
     one = _trained(tmp_path / "one", "--devices", "1", "--train.max_steps", "3")
     for name, args in STRATEGIES.items():
         run = _trained(tmp_path / name, *args, "--train.max_steps", "3")
         assert sorted(run) == [1, 2, 3], name
         assert run[1] == pytest.approx(one[1], rel=1e-2), name
-        assert run[3] == pytest.approx(one[3], rel=5e-2), name
+        if not name.startswith("zero"):
+            assert run[3] == pytest.approx(one[3], rel=5e-2), name
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
