@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -152,7 +152,7 @@ class EpochBatchSampler(Sampler[list[int]]):
 
     def __init__(
         self,
-        lengths_or_n: Union[int, Sequence[int], torch.Tensor],
+        lengths_or_n: int | Sequence[int] | torch.Tensor,
         micro_batch_size: int,
         shuffle: bool,
         seed: int,

@@ -389,6 +389,11 @@ class Recipe:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     """How several devices share the work: a section, or a shorthand such as 'fsdp' or 'deepspeed_stage_3_offload'."""
 
+    engine: Literal["fabric", "trainer"] = "fabric"
+    """What runs the training loop: 'fabric', litft's own loop on Lightning Fabric (every speed feature), or
+    'trainer', Lightning's Trainer with litft's LightningModule and DataModule (litft.lightning: the same model,
+    data, optimizer and files; no CUDA graphs or litft DDP reducer; one device, DDP or FSDP)."""
+
     out_dir: str = "out/run"
     """Where the run writes its config, metrics, TensorBoard events, result.json and weights."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,15 @@ def finetune(recipe: Recipe, overwrite: bool = False, resume: str | None = None)
         overwrite = overwrite or holds_this_run(out_dir, recipe)
         print(f"resume auto: no committed checkpoint in '{out_dir}'; starting the run from the beginning")
         resume = None
-    if resume is None:
+    if resume is None and not started_as_other_rank():
         check_out_dir(out_dir, overwrite)
+    if recipe.engine == "trainer":
+        if resume is not None:
+            raise ConfigError("--resume: engine trainer starts runs from the beginning only; resume under engine"
+                              " fabric (the default)")
+        from litft.lightning import finetune_with_trainer
+
+        return finetune_with_trainer(recipe)
     fabric = build_fabric(recipe)
     from litft.strategy import LAUNCHED_FROM_CLI
 
@@ -82,6 +90,13 @@ def spawned_rank(fabric, recipe: Recipe, resume: str | None) -> RunResult | Litf
         return err
     except torch.OutOfMemoryError as err:
         return out_of_memory(recipe, fabric, err)
+
+
+def started_as_other_rank() -> bool:
+    """This process is a rank other than the first, started by a launcher (the command line re-run by Lightning for
+    each further device, torchrun, SLURM): rank 0 checks and writes the out_dir, and may already have written it by
+    the time this one starts."""
+    return any(os.environ.get(name, "0") != "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -385,16 +400,19 @@ class StepNumbers:
     record: metrics.StepRecord
     epoch: float
     """Epochs done when the step's batches had been drawn (for the log row)."""
+    lr: float
+    """The learning rate the step's update uses (the scheduler moves on before a late-read step is logged)."""
 
     @classmethod
-    def of(cls, step: int, check: torch.Tensor, record: metrics.StepRecord, epoch: float) -> StepNumbers:
+    def of(cls, step: int, check: torch.Tensor, record: metrics.StepRecord, epoch: float,
+           lr: float) -> StepNumbers:
         if check.device.type != "cuda":
-            return cls(step, check, check, None, record, epoch)
+            return cls(step, check, check, None, record, epoch, lr)
         host = torch.empty(check.shape, dtype=check.dtype, pin_memory=True)
         host.copy_(check, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(step, check, host, ready, record, epoch)
+        return cls(step, check, host, ready, record, epoch, lr)
 
     def read(self) -> tuple[float, float]:
         """The loss and gradient norm (waits for the step to get that far on the device)."""
@@ -503,7 +521,7 @@ def forward_backward(run: Run, micro_step, meters: Meters, step: int, step_batch
         samples=sum(b["samples"] for b in step_batches),
         loss_tokens=loss_tokens,
         flops=sum(meters.flops.batch_flops(b["lengths"]) for b in step_batches),
-    ), epoch=state.epoch + state.batch_in_epoch / max(1, len(run.train_sampler)))
+    ), epoch=state.epoch + state.batch_in_epoch / max(1, len(run.train_sampler)), lr=run.scheduler.get_last_lr()[0])
 
 
 def ranks_loss_tokens(fabric, loss_tokens: int) -> torch.Tensor:
@@ -560,7 +578,7 @@ def log_step(run: Run, meters: Meters, numbers: StepNumbers, loss_value: float, 
         "step": step,
         "epoch": numbers.epoch,
         "loss": loss_value,
-        "lr": run.scheduler.get_last_lr()[0],
+        "lr": numbers.lr,
         # DeepSpeed clips inside its own step, so litft has no norm to show (the check holds the loss twice)
         "grad_norm": norm_value if recipe.train.max_grad_norm is not None and run.plan.strategy != "deepspeed" else None,
         "step_time_s": clock.durations[step],
