@@ -25,7 +25,7 @@ commands:
                                               run a recipe; overrides are dotted keys: --train.micro_batch_size 8
   sweep --config NAME|PATH --grid KEY=V1,V2 [--grid ...] [--out DIR] [--repeat N] [--timeout S] [--dry-run]
         [--rerun] [--key value ...]
-  sweep --plan FILE [--out DIR] [--timeout S] [--dry-run] [--rerun] [--key value ...]
+  sweep --plan FILE [--out DIR] [--timeout S] [--dry-run] [--rerun] [--cpu-demo] [--key value ...]
                                               every run in its own process; out of memory is a row; started again,
                                               it goes on where it stopped
   find-batch-size --config NAME|PATH [--memory-cap 32GiB] [--max 256] [--steps 3] [--write RECIPE.yaml]
@@ -375,6 +375,7 @@ def cmd_sweep(args: list[str]) -> int:
     timeout = _take_option(args, "--timeout")
     dry_run = _take_flag(args, "--dry-run")
     rerun = _take_flag(args, "--rerun")
+    cpu_demo = _take_flag(args, "--cpu-demo")
     repeat = _take_option(args, "--repeat")
     specs = []
     while (spec := _take_option(args, "--grid")) is not None:
@@ -386,12 +387,11 @@ def cmd_sweep(args: list[str]) -> int:
     if plan is not None:
         if config is not None or specs or repeat is not None:
             raise ConfigError("sweep --plan FILE lists its runs itself: leave out --config, --grid and --repeat")
-        options, runs = sweep.read_plan(plan)
-        common = args  # overrides on the command line apply to every run of the plan
-        runs = [(name, recipe, overrides + common) for name, recipe, overrides in runs]
-        return sweep.run_planned(runs, out or options["out"] or f"out/sweep-{Path(plan).stem}",
-                                 timeout=seconds if seconds is not None else options["timeout"], dry_run=dry_run,
-                                 source=plan, rerun=rerun)
+        # overrides on the command line apply to every run of the plan
+        return sweep.run_plan(plan, out, overrides=args, timeout=seconds, cpu_demo=cpu_demo, dry_run=dry_run,
+                              rerun=rerun)
+    if cpu_demo:
+        raise ConfigError("sweep --cpu-demo runs a plan's runs on the CPU: give --plan FILE")
     if config is None:
         raise ConfigError("sweep needs --config NAME|PATH and at least one --grid KEY=V1,V2,..., or --plan FILE;"
                           " litft sweep --help")

@@ -516,4 +516,8 @@ def finetune_with_trainer(recipe: Recipe):
     if recipe.eval.final and files.validated_at != trainer.global_step:
         trainer.validate(module, datamodule=data_module, verbose=False)
     result = files.finish(trainer, module, "ok")
+    if trainer.global_rank == 0:
+        losses, speed = result["losses"], result["throughput"]["tokens_per_sec"]
+        print(f"litft run: ok (engine trainer) | steps {result['steps']} | loss {losses['train_first']:.4f} ->"
+              f" {losses['train_last']:.4f}" + (f" | {speed:,.0f} tok/s" if speed else "") + f" | out_dir {out_dir}")
     return RunResult(out_dir, result, module.causal.gpt if trainer.world_size == 1 else None)

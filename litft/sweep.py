@@ -28,7 +28,13 @@ Each run's outcome (ok, out of memory, host memory, timeout, non-finite loss, da
 into OUT/outcomes.json as it ends and into the table's Outcomes section. Started again on the same OUT, a sweep skips
 the runs that have an outcome, so a sweep that was stopped midway goes on where it stopped (--rerun runs all again).
 
-From Python: ``litft.sweep.run_sweep("tiny-llama-lora", {"train.micro_batch_size": [1, 2, 4]}, "out/sweep")``.
+`--cpu-demo` runs a plan's runs on the CPU with the demo model and data, a few steps each: the same runs, batch
+arithmetic, methods and engines, for a machine without a GPU (a lab's notebooks in CPU mode, CI). What a CPU cannot
+run is replaced and said per run: float16 by 32-true, QLoRA by LoRA, FSDP and DeepSpeed by DDP, more than 2
+devices by 2 (gloo processes), and no memory cap.
+
+From Python: ``litft.sweep.run_sweep("tiny-llama-lora", {"train.micro_batch_size": [1, 2, 4]}, "out/sweep")``,
+``litft.sweep.run_plan("plans/lab-part1-a100.yaml", cpu_demo=True)``.
 """
 
 from __future__ import annotations
@@ -133,14 +139,26 @@ def settings_args(settings: dict, problems: list[str]) -> list[str]:
     return _as_args(values)
 
 
+def find_plan(name_or_path: str | Path) -> Path:
+    """A plan file: an existing path, or the name of a shipped plan (plans/*.yaml, with or without '.yaml')."""
+    from litft.recipe.load import shipped_dir
+
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_dir("plans") / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if shipped.is_file() and path.parent == Path("."):
+        return shipped
+    names = sorted(p.stem for p in shipped_dir("plans").glob("*.yaml"))
+    raise ConfigError(f"--plan: '{name_or_path}' is neither a file nor a shipped plan (shipped: {', '.join(names)})")
+
+
 def read_plan(path: str | Path) -> tuple[dict, list[tuple[str, str, list[str]]]]:
     """A sweep plan (see the module docstring): its options (out, timeout) and its runs as (name, recipe,
     overrides), grids expanded. Every problem of the file at once, as a ConfigError (exit 2)."""
     from litft.recipe.load import cli_value, read_recipe_file
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--plan: '{path}' is not a file (a sweep plan: see litft sweep --help)")
+    path = find_plan(path)
     plan = read_recipe_file(path)  # strict YAML: duplicate keys and empty files are errors, with their lines
     problems: list[str] = []
     unknown = sorted(set(plan) - {"out", "timeout", "set", "runs"})
@@ -183,6 +201,77 @@ def read_plan(path: str | Path) -> tuple[dict, list[tuple[str, str, list[str]]]]
     if problems:
         raise ConfigError(problems, source=str(path))
     return {"out": plan.get("out"), "timeout": plan.get("timeout")}, runs
+
+
+CPU_DEMO_DEVICES = 2
+"""Devices (gloo processes) a multi-device run gets in --cpu-demo mode: enough to run DDP's code paths."""
+
+
+def on_cpu_demo(recipe, steps: int = 3):
+    """``recipe`` as --cpu-demo runs it: the demo model and data on the CPU for ``steps`` steps, its batch sizes,
+    method, engine and devices kept where a CPU can run them; returns (recipe, notes naming what changed)."""
+    import dataclasses
+
+    from litft.recipe.schema import StrategyConfig
+
+    notes: list[str] = []
+    model = dataclasses.replace(recipe.model, name=None, checkpoint_dir="litft:demo/model", tokenizer_dir=None)
+    data = dataclasses.replace(recipe.data, path="litft:demo/instructions.jsonl", val_path=None, num_workers=0)
+    train = dataclasses.replace(recipe.train, max_steps=min(recipe.train.max_steps or steps, steps))
+    precision, method, devices, strategy = recipe.precision, recipe.method, recipe.devices, recipe.strategy
+    if precision.startswith("16-"):
+        notes.append(f"precision {precision} -> 32-true (float16 needs a GPU)")
+        precision = "32-true"
+    if method == "qlora":
+        notes.append("method qlora -> lora (bitsandbytes' 4-bit layers need a GPU under Fabric)")
+        method = "lora"
+    if strategy.sharded:
+        notes.append(f"strategy {strategy.name} -> ddp (Lightning's FSDP and DeepSpeed need GPUs)")
+        strategy = StrategyConfig(name="ddp")
+    if devices * recipe.num_nodes > CPU_DEMO_DEVICES:
+        # the global batch keeps its samples: accumulation grows as devices shrink
+        notes.append(f"devices {devices} x nodes {recipe.num_nodes} -> {CPU_DEMO_DEVICES}")
+        devices = CPU_DEMO_DEVICES
+    demo = dataclasses.replace(recipe, model=model, data=data, train=train, init="pretrained", precision=precision,
+                               method=method, quantize=None if method != "qlora" else recipe.quantize,
+                               accelerator="cpu", devices=devices, num_nodes=1, strategy=strategy, memory_cap=None,
+                               merge=False, logging=dataclasses.replace(recipe.logging, tensorboard=False))
+    return demo, notes
+
+
+def cpu_demo_runs(runs: list[tuple[str, str, list[str]]], out: Path, steps: int = 3,
+                  say=print) -> list[tuple[str, str, list[str]]]:
+    """Each run as --cpu-demo runs it: its recipe (config + overrides) moved onto the CPU (on_cpu_demo), written to
+    OUT/cpu-demo/NAME.yaml and run from there."""
+    from litft.recipe import load_recipe, recipe_to_yaml
+
+    folder = out / "cpu-demo"
+    make_dir(folder, "the CPU demo recipes' folder", "--out")
+    moved = []
+    for name, config, overrides in runs:
+        recipe, notes = on_cpu_demo(load_recipe(config, args=overrides, validate_paths=False), steps)
+        path = folder / f"{name}.yaml"
+        write_text_atomic(path, recipe_to_yaml(recipe))
+        if notes:
+            say(f"{name} (cpu-demo): {'; '.join(notes)}")
+        moved.append((name, str(path), []))
+    return moved
+
+
+def run_plan(path: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
+             timeout: float | None = None, cpu_demo: bool = False, steps: int = 3, say=print, dry_run: bool = False,
+             rerun: bool = False) -> int:
+    """``litft sweep --plan PATH``: every run of the plan (read_plan), ``overrides`` added to each, into OUT (the
+    plan's out, else out/sweep-NAME); ``cpu_demo``: on the CPU with the demo model (on_cpu_demo). Returns the
+    sweep's exit code."""
+    options, runs = read_plan(path)
+    runs = [(name, recipe, args + list(overrides or [])) for name, recipe, args in runs]
+    out = Path(out or options["out"] or f"out/sweep-{find_plan(path).stem}")
+    if cpu_demo:
+        check(runs, str(path))
+        runs = cpu_demo_runs(runs, out, steps, say)
+    return run_planned(runs, out, timeout=timeout if timeout is not None else options["timeout"], say=say,
+                       dry_run=dry_run, source=str(path), rerun=rerun)
 
 
 def run_sweep(

@@ -259,18 +259,17 @@ def test_a_source_checkout_without_install_finds_the_shipped_recipes(tmp_path):
     import sys
     from pathlib import Path
 
-    from litft.recipe.load import SOURCE_RECIPES
-
     repo = Path(__file__).resolve().parents[1]
-    assert SOURCE_RECIPES == repo / "recipes" and (SOURCE_RECIPES / "demo.yaml").is_file()
-    code = ("import sys; sys.modules['litft.recipes'] = None\n"  # as if not installed: the import fails
+    code = ("import sys; sys.modules['litft.recipes'] = sys.modules['litft.plans'] = None\n"  # as if not installed
             "from litft.recipe import recipe_names, recipes_dir\n"
-            "print(recipes_dir()); print(' '.join(recipe_names()))")
+            "from litft.sweep import find_plan\n"
+            "print(recipes_dir()); print(' '.join(recipe_names())); print(find_plan('lab-part1-a100'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr
-    where, names = out.stdout.splitlines()
+    where, names, plan = out.stdout.splitlines()
     assert Path(where) == repo / "recipes" and "tiny-llama-lora" in names.split()
+    assert Path(plan) == repo / "plans" / "lab-part1-a100.yaml"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

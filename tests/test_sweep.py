@@ -165,3 +165,28 @@ def test_every_shipped_plan_checks(capsys):
     for plan in plans:
         assert main(["sweep", "--plan", str(plan), "--dry-run"]) == 0, plan
         assert "nothing ran" in capsys.readouterr().out
+
+
+def test_a_plan_runs_on_the_cpu_with_the_demo_model(tmp_path, capsys):
+    """--cpu-demo: each run of a GPU plan on the CPU with the demo model, what a CPU cannot run replaced and said:
+    float16 weights, QLoRA, FSDP, four devices; the batch arithmetic and the engine kept."""
+    from litft.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "set: {init: random, model.tokenizer_dir: 'litft:demo/model', train.max_steps: 20, eval.interval: 0,\n"
+        "      eval.initial: false, eval.final: false}\n"
+        "runs:\n"
+        "  - {name: qlora-16, config: tiny-llama-qlora, set: {precision: 16-true}}\n"
+        "  - {name: fsdp-4, config: tiny-llama-full-fsdp, set: {devices: 4, engine: trainer}}\n"
+    )
+    assert main(["sweep", "--plan", str(plan), "--cpu-demo", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "precision 16-true -> 32-true" in out and "method qlora -> lora" in out
+    assert "strategy fsdp -> ddp" in out and "devices 4 x nodes 1 -> 2" in out
+    results = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "out" / "runs").glob("*/result.json")}
+    assert sorted(results) == ["fsdp-4", "qlora-16"] and all(r["status"] == "ok" for r in results.values())
+    assert all(r["steps"] == 3 for r in results.values())
+    fsdp = results["fsdp-4"]
+    assert fsdp["engine"] == "trainer" and fsdp["batch"]["devices"] == 2
+    assert fsdp["batch"]["global_batch_size"] == 32 and fsdp["batch"]["grad_accum"] == 2  # 32 / (8 x 2 devices)

@@ -42,17 +42,19 @@ from litft.recipe.validate import validate
 # Paths, recipe lookup
 # ----------------------------------------------------------------------------------------------------------------------
 
-SOURCE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-"""The recipes/ folder beside the litft/ folder in a source checkout (this file is litft/recipe/load.py)."""
+def shipped_dir(folder: str) -> Path:
+    """A folder of shipped YAML files (recipes, plans): the package litft.FOLDER once installed (a wheel, or
+    `pip install -e .`), else FOLDER/ beside the litft/ folder (a source checkout on PYTHONPATH; this file is
+    litft/recipe/load.py)."""
+    try:
+        return Path(str(resources.files(f"litft.{folder}")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / folder
 
 
 def recipes_dir() -> Path:
-    """The shipped recipes: the package litft.recipes once installed (a wheel, or `pip install -e .`), else the
-    recipes/ folder beside the litft/ folder (a source checkout on PYTHONPATH)."""
-    try:
-        return Path(str(resources.files("litft.recipes")))
-    except ModuleNotFoundError:
-        return SOURCE_RECIPES
+    """The shipped recipes (recipes/*.yaml)."""
+    return shipped_dir("recipes")
 
 
 def recipe_names() -> list[str]:

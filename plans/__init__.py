@@ -1,0 +1,1 @@
+"""Shipped sweep plans (YAML files beside this module): `litft sweep --plan NAME`."""
