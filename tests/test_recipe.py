@@ -9,7 +9,14 @@ import pytest
 import yaml
 
 from litft.errors import ConfigError
-from litft.recipe import Recipe, config_hash, load_recipe, recipe_names, recipe_to_yaml, validate
+from litft.recipe import (
+    Recipe,
+    config_hash,
+    load_recipe,
+    recipe_names,
+    recipe_to_yaml,
+    validate,
+)
 
 SHIPPED = recipe_names()
 

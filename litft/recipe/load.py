@@ -27,6 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from litft.errors import ConfigError
+from litft.recipe.litgpt_config import from_litgpt, is_litgpt_config
 from litft.recipe.schema import (  # noqa: F401
     PACKAGE_PREFIX,
     STRATEGY_SHORTHANDS,
@@ -35,7 +36,6 @@ from litft.recipe.schema import (  # noqa: F401
     plain,
     resolve_path,
 )
-from litft.recipe.litgpt_config import from_litgpt, is_litgpt_config
 from litft.recipe.validate import validate
 
 # ----------------------------------------------------------------------------------------------------------------------
