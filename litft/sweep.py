@@ -260,11 +260,16 @@ def cpu_demo_runs(runs: list[tuple[str, str, list[str]]], out: Path, steps: int 
 
 def run_plan(path: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
              timeout: float | None = None, cpu_demo: bool = False, steps: int = 3, say=print, dry_run: bool = False,
-             rerun: bool = False) -> int:
-    """``litft sweep --plan PATH``: every run of the plan (read_plan), ``overrides`` added to each, into OUT (the
-    plan's out, else out/sweep-NAME); ``cpu_demo``: on the CPU with the demo model (on_cpu_demo). Returns the
-    sweep's exit code."""
+             rerun: bool = False, only: list[str] | None = None) -> int:
+    """``litft sweep --plan PATH``: every run of the plan (read_plan), or those named in ``only``, ``overrides``
+    added to each, into OUT (the plan's out, else out/sweep-NAME); ``cpu_demo``: on the CPU with the demo model
+    (on_cpu_demo), ``steps`` steps each. Returns the sweep's exit code."""
     options, runs = read_plan(path)
+    if only is not None:
+        unknown = sorted(set(only) - {name for name, _, _ in runs})
+        if unknown:
+            raise ConfigError(f"only: no run named {', '.join(unknown)} in {path}")
+        runs = [run for run in runs if run[0] in only]
     runs = [(name, recipe, args + list(overrides or [])) for name, recipe, args in runs]
     out = Path(out or options["out"] or f"out/sweep-{find_plan(path).stem}")
     if cpu_demo:

@@ -137,8 +137,6 @@ def _strategy_problems(recipe: Recipe) -> list[str]:
         problems.append("engine: trainer runs one device, DDP and FSDP; DeepSpeed keeps the gradients inside its"
                         " engine, where the Trainer engine's per-step loss normalisation cannot reach: use engine"
                         " fabric (the default) for strategy deepspeed")
-    if recipe.engine == "trainer" and recipe.train.speed == "litgpt":
-        problems.append("engine: trainer runs litft's layers; train.speed litgpt runs under engine fabric")
     if s.name != "fsdp" and s.fsdp != defaults.fsdp:
         problems.append(f"strategy.fsdp: set, but strategy.name is {s.name!r}; set strategy.name: fsdp, or remove"
                         " the fsdp options")

@@ -110,6 +110,7 @@ def build_result(run, status: str, throughput: dict, memory: dict, gpu: dict, ex
     recipe, config, counts, data, state, plan = run.recipe, run.config, run.counts, run.data, run.state, run.plan
     return {
         "status": status,
+        "engine": "fabric",
         "out_dir": str(run.out_dir),
         "config_hash": config_hash(recipe),
         "recipe": recipe_to_dict(recipe),
