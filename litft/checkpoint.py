@@ -396,7 +396,9 @@ def write_checkpoint_files(recipe: Recipe, config, target: Path) -> None:
 
     base = {k: v for k, v in dataclasses.asdict(config).items() if not k.startswith("lora_")}
     hparams = {
-        "checkpoint_dir": str(resolve_path(recipe.model.checkpoint_dir)) if recipe.model.checkpoint_dir else None,
+        # the base an adapter goes on: none on disk after a run from random weights
+        "checkpoint_dir": (str(resolve_path(recipe.model.checkpoint_dir))
+                           if recipe.model.checkpoint_dir and recipe.init == "pretrained" else None),
         "precision": recipe.precision,
         "quantize": f"bnb.{recipe.quantize}" if recipe.quantize else None,
         "prompt_style": recipe.data.prompt_style,

@@ -32,6 +32,13 @@ commands:
                                               the largest micro batch that fits, found by running it
   convert FILE [--out RECIPE.yaml]            a LitGPT finetune config as a litft recipe (finetune --config takes it
                                               as it is, too)
+  generate OUT_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
+  generate OUT_DIR --prompts FILE.jsonl --output FILE.jsonl
+                                              answers from a run's model, with time to first token and tok/s
+  chat OUT_DIR                                a terminal chat with a run's model
+  evaluate OUT_DIR [--data FILE] [--base] [--samples 20]
+                                              perplexity, BLEU and ROUGE-L (and the base model's), into eval.json
+  export OUT_DIR --format hf|litgpt --out DIR the model (adapters merged) for transformers, or as a LitGPT folder
   env                                         versions, GPUs and what litft can use on this machine
   compare PATH... [--format md|csv|json] [--fields f1,f2] [--by KEY] [--sort [-]KEY] [--plot DIR]
                                               a table (and charts) of runs: run dirs or sweep/bench dirs
@@ -459,6 +466,117 @@ def cmd_find_batch_size(args: list[str]) -> int:
     return 0
 
 
+def _generation_settings(args: list[str]) -> dict:
+    """--max-new-tokens, --temperature, --top-k, --top-p from the arguments."""
+    settings = {}
+    for option, key, kind in (("--max-new-tokens", "max_new_tokens", int), ("--temperature", "temperature", float),
+                              ("--top-k", "top_k", int), ("--top-p", "top_p", float)):
+        value = _take_option(args, option)
+        if value is not None:
+            try:
+                settings[key] = kind(value)
+            except ValueError:
+                raise ConfigError(f"{option}: expected a number, got '{value}'") from None
+    if settings.get("temperature", 0.0) < 0 or not 0.0 <= settings.get("top_p", 1.0) <= 1.0:
+        raise ConfigError("--temperature must be 0 or more (0: greedy) and --top-p within [0, 1]")
+    return settings
+
+
+def _model_source(args: list[str], command: str) -> str:
+    if len(args) != 1 or args[0].startswith("--"):
+        extra = f" (not understood: {' '.join(args[1:])})" if len(args) > 1 else ""
+        raise ConfigError(f"{command} needs one OUT_DIR (a run's) or checkpoint folder{extra}; litft {command} --help")
+    return args[0]
+
+
+def cmd_generate(args: list[str]) -> int:
+    """Answer a prompt (or a JSONL file of prompts) with a run's model (litft.use)."""
+    from litft import use
+
+    if "-h" in args or "--help" in args:
+        print("litft generate OUT_DIR|CHECKPOINT --prompt TEXT [--max-new-tokens 128] [--temperature 0] [--top-k K]"
+              " [--top-p P] [--device cpu|cuda]\n"
+              "litft generate OUT_DIR --prompts PROMPTS.jsonl --output ANSWERS.jsonl [...]\n\n" + use.__doc__)
+        return 0
+    prompt = _take_option(args, "--prompt")
+    prompts = _take_option(args, "--prompts")
+    output = _take_option(args, "--output")
+    device = _take_option(args, "--device")
+    settings = _generation_settings(args)
+    source = _model_source(args, "generate")
+    if (prompt is None) == (prompts is None) or (prompts is not None and output is None):
+        raise ConfigError("generate needs --prompt TEXT, or --prompts FILE.jsonl with --output FILE.jsonl")
+    loaded = use.load_model(source, device=device)
+    print(f"model: {loaded.folder} ({loaded.weights}, {loaded.device})", file=sys.stderr)
+    if prompts is not None:
+        results = use.generate_file(loaded, Path(prompts), Path(output), **settings)
+        tokens = sum(r.new_tokens for r in results)
+        seconds = sum(r.seconds for r in results)
+        print(f"wrote {len(results)} answers to {output}: {tokens} tokens in {seconds:.1f} s")
+        return 0
+    result = use.generate(loaded, prompt, **settings)
+    print(result.text)
+    print(result.timing_line(), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: list[str]) -> int:
+    """A terminal chat with a run's model (litft.use.chat)."""
+    from litft import use
+
+    if "-h" in args or "--help" in args:
+        print("litft chat OUT_DIR|CHECKPOINT [--max-new-tokens 256] [--temperature 0.7] [--top-k K] [--top-p P]"
+              " [--device cpu|cuda]\n\nEach line typed is a prompt; the answer streams back. An empty line or"
+              " Ctrl-D ends.")
+        return 0
+    device = _take_option(args, "--device")
+    settings = {"max_new_tokens": 256, "temperature": 0.7, **_generation_settings(args)}
+    use.chat(use.load_model(_model_source(args, "chat"), device=device), **settings)
+    return 0
+
+
+def cmd_evaluate(args: list[str]) -> int:
+    """Perplexity, BLEU and ROUGE-L of a run's model, and of its base with --base (litft.evaluate)."""
+    from litft import evaluate
+
+    if "-h" in args or "--help" in args:
+        print("litft evaluate OUT_DIR [--data FILE] [--base] [--samples 20] [--max-new-tokens 64] [--max-batches N]"
+              " [--device cpu|cuda]\n\n" + evaluate.__doc__)
+        return 0
+    data = _take_option(args, "--data")
+    base = _take_flag(args, "--base")
+    device = _take_option(args, "--device")
+    numbers = {}
+    for option, default in (("--samples", "20"), ("--max-new-tokens", "64"), ("--max-batches", None)):
+        value = _take_option(args, option) or default
+        if value is not None and not value.isdigit():
+            raise ConfigError(f"{option}: expected a whole number, got '{value}'")
+        numbers[option] = int(value) if value is not None else None
+    out_dir = _model_source(args, "evaluate")
+    result = evaluate.evaluate(out_dir, data, base=base, samples=numbers["--samples"],
+                               max_new_tokens=numbers["--max-new-tokens"], max_batches=numbers["--max-batches"],
+                               device=device)
+    print(evaluate.table(result))
+    print(f"wrote {Path(out_dir) / 'eval.json'}")
+    return 0
+
+
+def cmd_export(args: list[str]) -> int:
+    """A run's model (adapters merged) as a Hugging Face transformers folder or a LitGPT checkpoint (litft.use)."""
+    from litft import use
+
+    if "-h" in args or "--help" in args:
+        print("litft export OUT_DIR|CHECKPOINT --format hf|litgpt --out DIR\n\n" + use.export.__doc__)
+        return 0
+    fmt = _take_option(args, "--format") or "hf"
+    out = _take_option(args, "--out")
+    if out is None:
+        raise ConfigError("export needs --out DIR (where the exported model goes)")
+    folder = use.export(_model_source(args, "export"), out, fmt)
+    print(f"wrote {folder} ({'Hugging Face transformers' if fmt == 'hf' else 'LitGPT checkpoint'})")
+    return 0
+
+
 COMMANDS = {
     "finetune": cmd_finetune,
     "find-batch-size": cmd_find_batch_size,
@@ -471,6 +589,10 @@ COMMANDS = {
     "cp": cmd_cp,
     "env": cmd_env,
     "compare": cmd_compare,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "evaluate": cmd_evaluate,
+    "export": cmd_export,
 }
 
 if __name__ == "__main__":
