@@ -33,21 +33,27 @@ def run_recipe(out_dir: Path):
 
 
 def validation_set(recipe, data_path: str | None = None):
-    """The run's validation records and tokenized samples (or ``data_path``'s, all of them), as the run made them."""
+    """The run's validation records and tokenized samples, as the run made them (or all of ``data_path``'s, in the
+    run's format). Text documents (data.format text) have chunks and no records: perplexity only."""
+    import dataclasses
+
     from litgpt.tokenizer import Tokenizer
 
-    from litft.data import data_file, read_records, split_records, tokenize_records
+    from litft.data import data_file, data_format, prepare_data, read_records, split_records, tokenize_records
     from litft.data.tokenize import SFTDataset
     from litft.recipe import resolve_path
 
     cfg = recipe.data
     tokenizer = Tokenizer(resolve_path(recipe.model.tokenizer_dir or recipe.model.checkpoint_dir))
-    if data_path is not None:
-        records = read_records(Path(data_path), cfg.fields)
-    elif cfg.val_path is not None:
-        records = read_records(data_file(cfg.val_path), cfg.fields)
+    if data_path is not None:  # the whole file (or folder) as the validation set
+        cfg = dataclasses.replace(cfg, path=data_path, val_path=data_path)
+    if data_format(data_file(cfg.path), cfg.format) == "text":
+        return [], prepare_data(cfg, tokenizer, recipe.seed).val
+    if cfg.val_path is not None:
+        records = read_records(data_file(cfg.val_path), cfg.fields, cfg.format)
     else:
-        _, records = split_records(read_records(data_file(cfg.path), cfg.fields), cfg.val_split, recipe.seed)
+        records = split_records(read_records(data_file(cfg.path), cfg.fields, cfg.format), cfg.val_split,
+                                recipe.seed)[1]
     data = tokenize_records(records, tokenizer, cfg.prompt_style, cfg.max_seq_length, cfg.mask_prompt)
     return records, SFTDataset(data)
 
@@ -90,16 +96,17 @@ def text_scores(hypotheses: list[str], references: list[str]) -> dict:
 def score_model(loaded, records, dataset, recipe, samples: int, max_new_tokens: int,
                 max_batches: int | None) -> dict:
     """Perplexity over the set and BLEU/ROUGE-L over the first ``samples`` records' greedy answers."""
+    from litft.data.tokenize import prompt_text
     from litft.use import generate
 
     result = perplexity(loaded.model, dataset, recipe.train.micro_batch_size, recipe.data.max_seq_length,
                         loaded.device, max_batches)
     result["weights"] = loaded.weights
-    if samples:
+    if samples and records:
         chosen = records[:samples]
         answers = []
         for record in chosen:
-            prompt = loaded.prompt_style.apply(record["instruction"], input=record.get("input", ""))
+            prompt = prompt_text(loaded.prompt_style, record)
             answers.append(generate(loaded, prompt, max_new_tokens=max_new_tokens, raw=True).text.strip())
         result.update(text_scores(answers, [r["output"] for r in chosen]))
         result["samples"] = len(chosen)

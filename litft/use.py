@@ -260,6 +260,7 @@ def read_prompts(path: Path) -> list[dict]:
 def generate_file(loaded: LoadedModel, prompts_path: Path, output_path: Path, **settings) -> list[Generation]:
     """Every prompt of a JSONL file answered in turn, each answer a line of ``output_path`` (the input row, with
     "answer" and its timing), written as it comes."""
+    from litft.data.tokenize import prompt_text
     from litft.files import writing
 
     rows = read_prompts(prompts_path)
@@ -268,7 +269,8 @@ def generate_file(loaded: LoadedModel, prompts_path: Path, output_path: Path, **
         output_path.parent.mkdir(parents=True, exist_ok=True)
         with open(output_path, "w", encoding="utf-8") as out:
             for row in rows:
-                prompt = row.get("prompt") or loaded.prompt_style.apply(row["instruction"], input=row.get("input", ""))
+                prompt = row.get("prompt") or prompt_text(loaded.prompt_style, {
+                    "instruction": row["instruction"], "input": row.get("input", ""), "system": row.get("system", "")})
                 raw = "prompt" not in row  # an instruction is wrapped here, with its input
                 result = generate(loaded, prompt, raw=raw, **settings)
                 results.append(result)

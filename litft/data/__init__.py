@@ -45,7 +45,7 @@ from litft.data.batches import (
     fill_micro_batches,
     largest_batches,
 )
-from litft.data.records import SUPPORTED_SUFFIXES, read_records, split_records
+from litft.data.records import SUPPORTED_SUFFIXES, data_format, read_records, split_records
 from litft.data.sampler import FIT_WINDOW, EpochBatchSampler, fit_steps
 from litft.data.tokenize import (
     IGNORE_INDEX,
@@ -62,7 +62,7 @@ from litft.recipe import DataConfig, resolve_path
 __all__ = [
     "FIT_WINDOW", "GRAPH_MULTIPLE", "IGNORE_INDEX", "PACK_MULTIPLE", "SUPPORTED_SUFFIXES", "EpochBatchSampler",
     "PreparedData", "SFTDataset", "TokenStats", "TokenizedData", "build_dataloader", "choose_pad_id", "collate",
-    "collate_function", "collate_packed", "collate_step_packed", "fill_micro_batches", "fit_steps",
+    "collate_function", "collate_packed", "collate_step_packed", "data_format", "fill_micro_batches", "fit_steps",
     "largest_batches", "prepare_data", "read_records", "split_records", "tokenize_records",
 ]
 
@@ -92,13 +92,15 @@ def prepare_data(cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> PreparedDa
     loaded; an unknown prompt style raises ConfigError."""
     style = resolve_prompt_style(cfg.prompt_style)  # a typo in the style should not wait for the file to be read
     path = data_file(cfg.path)
-    records = read_records(path, cfg.fields)
+    if data_format(path, cfg.format) == "text":
+        return _prepare_documents(cfg, tokenizer, seed, path)
+    records = read_records(path, cfg.fields, cfg.format)
     if cfg.val_path is None:
         train_records, val_records = split_records(records, cfg.val_split, seed)
         val_source = f"{len(val_records)} of {len(records)} records of {path} held out (data.val_split {cfg.val_split})"
     else:
         val_path = data_file(cfg.val_path)
-        train_records, val_records = records, read_records(val_path, cfg.fields)
+        train_records, val_records = records, read_records(val_path, cfg.fields, cfg.format)
         val_source = str(val_path)
 
     sets = {}
@@ -118,6 +120,28 @@ def prepare_data(cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> PreparedDa
         train_source=str(path),
         val_source=val_source,
     )
+
+
+def _prepare_documents(cfg: DataConfig, tokenizer: Tokenizer, seed: int, path) -> PreparedData:
+    """data.format 'text': the documents' chunks (tokenize_documents), val_split of the chunks held out (or
+    val_path's documents)."""
+    from litft.data.records import read_documents
+    from litft.data.tokenize import TokenizedData, tokenize_documents
+
+    documents = read_documents(path)
+    data = tokenize_documents([text for _, text in documents], tokenizer, cfg.max_seq_length)
+    source = f"{len(documents)} text file(s) under {path}, {len(data)} chunks of up to {cfg.max_seq_length} tokens"
+    if cfg.val_path is not None:
+        val_docs = read_documents(data_file(cfg.val_path))
+        val = tokenize_documents([text for _, text in val_docs], tokenizer, cfg.max_seq_length)
+        return PreparedData(SFTDataset(data), SFTDataset(val), choose_pad_id(tokenizer), source, str(cfg.val_path))
+    if len(data) < 2:
+        raise DataError(f"{path}: the text makes {len(data)} chunk(s) of {cfg.max_seq_length} tokens; holding out a"
+                        " validation set needs at least 2: add text, lower data.max_seq_length, or give data.val_path")
+    train_idx, val_idx = split_records(list(range(len(data))), cfg.val_split, seed)
+    parts = [TokenizedData.subset(data, indices) for indices in (train_idx, val_idx)]
+    return PreparedData(SFTDataset(parts[0]), SFTDataset(parts[1]), choose_pad_id(tokenizer), source,
+                        f"{len(val_idx)} of {len(data)} chunks held out (data.val_split {cfg.val_split})")
 
 
 def build_dataloader(

@@ -26,7 +26,19 @@ SUPPORTED_SUFFIXES = (".json", ".jsonl")
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def read_records(path: Path, fields: DataFields) -> list[dict[str, str]]:
+TEXT_SUFFIXES = (".txt", ".md")
+OPENORCA_FIELDS = DataFields(instruction="question", input="input", output="response", system="system_prompt")
+
+
+def data_format(path: Path, fmt: str) -> str:
+    """The format of ``path`` (data.format): as given, or 'text' for a folder, .txt or .md file under 'auto'; the
+    record formats ('auto' still) are told apart by their first record's keys (read_records)."""
+    if fmt != "auto":
+        return fmt
+    return "text" if Path(path).is_dir() or Path(path).suffix.lower() in TEXT_SUFFIXES else "auto"
+
+
+def read_records(path: Path, fields: DataFields, fmt: str = "auto") -> list[dict[str, str]]:
     """Read Alpaca-format records: a ``.json`` file holding a list of objects, or a ``.jsonl`` file with one object
     per line (blank lines are skipped).
 
@@ -39,6 +51,10 @@ def read_records(path: Path, fields: DataFields) -> list[dict[str, str]]:
 
     Raises DataError with one message naming the file, the line (JSON: also the record's index), the key and what was
     expected.
+
+    ``fmt`` (data.format): 'openorca' reads system_prompt, question and response; 'chat' reads a 'messages' list
+    (:func:`_from_messages`); 'auto' takes the first record's keys to choose among chat, openorca and alpaca. Every
+    record also gets "system" ("" without one).
     """
     path = Path(path)
     if not path.exists():
@@ -57,9 +73,9 @@ def read_records(path: Path, fields: DataFields) -> list[dict[str, str]]:
             f" records with keys '{fields.instruction}', '{fields.input}' (optional) and '{fields.output}'"
         )
     if path.suffix.lower() == ".jsonl":
-        records = _read_jsonl(path, text, fields)
+        records = _read_jsonl(path, text, fields, fmt)
     else:
-        records = _read_json(path, text, fields)
+        records = _read_json(path, text, fields, fmt)
     if not records:
         raise DataError(f"{path}: the file holds no records; expected at least one")
     return records
@@ -85,7 +101,7 @@ def _read_utf8(path: Path) -> str:
         ) from None
 
 
-def _read_jsonl(path: Path, text: str, fields: DataFields) -> list[dict[str, str]]:
+def _read_jsonl(path: Path, text: str, fields: DataFields, fmt: str) -> list[dict[str, str]]:
     records = []
     # Split on "\n" only: str.splitlines() also splits on U+2028, U+0085, ... which may appear unescaped inside
     # JSON strings, and the line numbers would stop matching what an editor shows.
@@ -105,11 +121,13 @@ def _read_jsonl(path: Path, text: str, fields: DataFields) -> list[dict[str, str
             elif _ends_early(err, line) and all(not rest.strip() for rest in lines[number:]):
                 hint = "; the last record ends early: is the file truncated?"
             raise DataError(f"{path}: line {number}, column {err.colno}: {_json_problem(err)}{hint}") from None
-        records.append(_normalise(value, fields, path, f"line {number}"))
+        if not records:
+            fmt = _record_format(value, fmt)
+        records.append(_normalise(value, fields, path, f"line {number}", fmt))
     return records
 
 
-def _read_json(path: Path, text: str, fields: DataFields) -> list[dict[str, str]]:
+def _read_json(path: Path, text: str, fields: DataFields, fmt: str) -> list[dict[str, str]]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -126,13 +144,14 @@ def _read_json(path: Path, text: str, fields: DataFields) -> list[dict[str, str]
             f"{keys}"
         )
     records = []
+    fmt = _record_format(value[0], fmt) if value else fmt
     for index, item in enumerate(value):
         try:
-            records.append(_normalise(item, fields, path, f"record [{index}]"))
+            records.append(_normalise(item, fields, path, f"record [{index}]", fmt))
         except DataError:
             # Found only on this error path (a second scan of the text): the line where the bad record starts.
             # Normalising again with it raises the same error, now saying where to look.
-            _normalise(item, fields, path, f"record [{index}] (line {_json_list_item_line(text, index)})")
+            _normalise(item, fields, path, f"record [{index}] (line {_json_list_item_line(text, index)})", fmt)
             raise
     return records
 
@@ -162,8 +181,49 @@ def _json_list_item_line(text: str, index: int) -> int:
     return text.count("\n", 0, position) + 1
 
 
-def _normalise(value: Any, fields: DataFields, path: Path, where: str) -> dict[str, str]:
-    """One raw JSON value -> {"instruction", "input", "output"}, or DataError naming file, place and key."""
+def _record_format(first: Any, fmt: str) -> str:
+    """'auto' resolved by the first record's keys: 'messages' -> chat, 'question' and 'response' -> openorca."""
+    if fmt != "auto" or not isinstance(first, dict):
+        return "alpaca" if fmt == "auto" else fmt
+    if "messages" in first:
+        return "chat"
+    if "question" in first and "response" in first:
+        return "openorca"
+    return "alpaca"
+
+
+def _from_messages(value: Any, path: Path, where: str) -> dict[str, str]:
+    """A chat record -> instruction (the conversation before the last assistant message: the one user message, or
+    the turns as 'User: ...' / 'Assistant: ...' lines), output (that last assistant message) and system (the system
+    message, if any)."""
+    messages = value.get("messages") if isinstance(value, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{path}: {where}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+    for k, message in enumerate(messages):
+        if not (isinstance(message, dict) and message.get("role") in ("system", "user", "assistant")
+                and isinstance(message.get("content"), str)):
+            raise DataError(f"{path}: {where}: messages[{k}] must be {{\"role\": \"system\"|\"user\"|\"assistant\","
+                            " \"content\": a string}")
+    if messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
+        raise DataError(f"{path}: {where}: the last message must be the assistant's answer (not empty): it is what"
+                        " the model learns to say")
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = [m for m in messages[:-1] if m["role"] != "system"]
+    if not turns:
+        raise DataError(f"{path}: {where}: no user message before the assistant's answer")
+    if len(turns) == 1:
+        instruction = turns[0]["content"]
+    else:
+        instruction = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in turns)
+    return {"instruction": instruction, "input": "", "output": messages[-1]["content"], "system": system}
+
+
+def _normalise(value: Any, fields: DataFields, path: Path, where: str, fmt: str = "alpaca") -> dict[str, str]:
+    """One raw JSON value -> {"instruction", "input", "output", "system"}, or DataError naming file, place and key."""
+    if fmt == "chat":
+        return _from_messages(value, path, where)
+    if fmt == "openorca" and fields == DataFields():
+        fields = OPENORCA_FIELDS
     if not isinstance(value, dict):
         raise DataError(
             f"{path}: {where}: expected an object {{\"{fields.instruction}\": ..., \"{fields.output}\": ...}},"
@@ -174,6 +234,7 @@ def _normalise(value: Any, fields: DataFields, path: Path, where: str) -> dict[s
         ("instruction", fields.instruction, True),
         ("input", fields.input, False),
         ("output", fields.output, True),
+        ("system", fields.system, False),
     ):
         named = f"key '{key}'" if key == role else f"key '{key}' (the {role})"
         if key not in value or value[key] is None:
@@ -240,3 +301,20 @@ def split_records(
     train_indices = sorted(order[n_val:].tolist())
     return [records[i] for i in train_indices], [records[i] for i in val_indices]
 
+
+
+def read_documents(path: Path) -> list[tuple[Path, str]]:
+    """data.format 'text': the .txt and .md files under a folder (recursively, in name order), or the one file, as
+    (path, text); DataError for no files, an empty set or a file that is not UTF-8 (with its line)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such folder or text file{_sibling_hint(path)}")
+    files = ([path] if path.is_file() else
+             sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES))
+    if not files:
+        raise DataError(f"{path}: no .txt or .md files in the folder (data.format text reads those)")
+    documents = [(file, _read_utf8(file)) for file in files]
+    documents = [(file, text) for file, text in documents if text.strip()]
+    if not documents:
+        raise DataError(f"{path}: every text file is empty")
+    return documents

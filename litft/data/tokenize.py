@@ -8,6 +8,8 @@ list of 50k Python lists would be copied page by page as the workers touch its r
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +89,22 @@ class TokenizedData:
         """int64, length T of each sample's input_ids (ids stored minus the one lost to the shift)."""
         return self.offsets[1:] - self.offsets[:-1] - 1
 
+    def subset(self, indices: Sequence[int]) -> TokenizedData:
+        """The samples at ``indices``, in that order, with their statistics (no truncated or dropped counts)."""
+        pieces = [self.tokens[self.offsets[i]:self.offsets[i + 1]] for i in indices]
+        lengths = [len(piece) - 1 for piece in pieces]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        if lengths:
+            offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64) + 1, dim=0)
+        prompts = self.prompt_lengths[list(indices)] if len(indices) else self.prompt_lengths[:0]
+        masked = sum(_masked_labels(int(p)) for p in prompts) if self.mask_prompt else 0
+        stats = dataclasses.replace(
+            self.stats, records=len(lengths), samples=len(lengths), truncated=0, dropped=0, tokens=sum(lengths),
+            loss_tokens=sum(lengths) - masked, min_length=min(lengths, default=0),
+            mean_length=sum(lengths) / len(lengths) if lengths else 0.0, max_length=max(lengths, default=0))
+        return TokenizedData(torch.cat(pieces) if pieces else self.tokens[:0], offsets, prompts, self.mask_prompt,
+                             stats)
+
 
 _ENCODE_CHUNK = 2048
 """Records tokenized per chunk. A tokenizers ``Encoding`` also holds offsets, token strings and masks (~100 bytes
@@ -126,7 +144,7 @@ def tokenize_records(
     # tokens at once would take ~0.5 GB) before they become int32 tensors.
     for start in range(0, len(records), _ENCODE_CHUNK):
         part = records[start : start + _ENCODE_CHUNK]
-        prompts = [style.apply(prompt=r["instruction"], input=r["input"]) for r in part]
+        prompts = [prompt_text(style, r) for r in part]
         prompt_ids = _encode_many(tokenizer, prompts, bos=None, eos=False)
         output_ids = _encode_many(tokenizer, [r["output"] for r in part], bos=False, eos=True)
         for p_ids, o_ids in zip(prompt_ids, output_ids):
@@ -165,6 +183,42 @@ def tokenize_records(
         mask_prompt=mask_prompt,
         stats=stats,
     )
+
+
+def prompt_text(style: PromptStyle, record: dict[str, str]) -> str:
+    """A record's prompt as the style writes it: ``style.apply(instruction, input=..., sys_prompt=system)``, the
+    system prompt only when the record has one (LitGPT's Alpaca puts it where its own preamble goes, so it ends with
+    a blank line there)."""
+    from litgpt.prompts import Alpaca
+
+    system = record.get("system") or ""
+    if not system:
+        return style.apply(prompt=record["instruction"], input=record.get("input", ""))
+    if isinstance(style, Alpaca):
+        system = system.rstrip() + "\n\n"
+    return style.apply(prompt=record["instruction"], input=record.get("input", ""), sys_prompt=system)
+
+
+def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer, max_seq_length: int) -> TokenizedData:
+    """data.format 'text': each document encoded (BOS by the tokenizer's rule, EOS after it), the documents joined
+    and cut into samples of max_seq_length + 1 ids (max_seq_length inputs and labels after the shift), the last
+    shorter; no prompt, a loss on every token."""
+    ids: list[int] = []
+    for encoded in _encode_many(tokenizer, list(texts), bos=None, eos=True):
+        ids.extend(encoded)
+    keep = max_seq_length + 1
+    chunks = [torch.tensor(ids[start:start + keep], dtype=torch.int32) for start in range(0, len(ids), keep)]
+    chunks = [chunk for chunk in chunks if len(chunk) >= 2]  # a sample needs an input and a label
+    lengths = [len(chunk) - 1 for chunk in chunks]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    if lengths:
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64) + 1, dim=0)
+    stats = TokenStats(records=len(texts), samples=len(lengths), truncated=0, dropped=0, tokens=sum(lengths),
+                       loss_tokens=sum(lengths), min_length=min(lengths, default=0),
+                       mean_length=sum(lengths) / len(lengths) if lengths else 0.0, max_length=max(lengths, default=0),
+                       max_seq_length=max_seq_length)
+    return TokenizedData(tokens=torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int32), offsets=offsets,
+                         prompt_lengths=torch.zeros(len(lengths), dtype=torch.int32), mask_prompt=False, stats=stats)
 
 
 def _masked_labels(prompt_length: int) -> int:

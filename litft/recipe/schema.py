@@ -81,6 +81,9 @@ class DataFields:
     output: str = "output"
     """Key of the response the model learns to produce."""
 
+    system: str = "system"
+    """Key of an optional system prompt (OpenOrca's system_prompt), given to the prompt style as its sys_prompt."""
+
 
 @dataclass
 class DataConfig:
@@ -89,6 +92,14 @@ class DataConfig:
     path: str = "litft:demo/instructions.jsonl"
     """Alpaca-format data: a .json file holding a list of records, a .jsonl file with one record per line, or a data
     set by name ('alpaca2k', the lab's: fetched once from the Hugging Face hub with `datasets`, then cached)."""
+
+    format: Literal["auto", "alpaca", "openorca", "chat", "text"] = "auto"
+    """How `path` holds its examples. 'alpaca': records with instruction, input and output (data.fields names the
+    keys); 'openorca': records with system_prompt, question and response (OpenOrca, instruct-v3); 'chat': records
+    with a 'messages' list of {role: system|user|assistant, content}, the last assistant message the response;
+    'text': a folder of .txt/.md files (or one file) cut into max_seq_length-token chunks, loss on every token
+    (domain adaptation). 'auto': text for a folder, .txt or .md; else chat, openorca or alpaca by the first
+    record's keys."""
 
     val_path: Optional[str] = None
     """A separate validation file in the same format. When unset, `val_split` of `path` is held out."""

@@ -197,9 +197,13 @@ def _model_problems(recipe: Recipe, check_paths: bool) -> list[str]:
         problems += _tokenizer_problems(recipe)
         from litft.data.sources import is_named  # a data set by name is fetched when the run reads it
 
+        folders = d.format in ("auto", "text")  # data.format text reads a folder of .txt/.md files
         for key, value in [("data.path", d.path), ("data.val_path", d.val_path)]:
-            if value is not None and not is_named(value) and not resolve_path(value).is_file():
-                problems.append(f"{key}: no such file '{value}'")
+            if value is None or is_named(value):
+                continue
+            where = resolve_path(value)
+            if not (where.is_file() or (folders and where.is_dir())):
+                problems.append(f"{key}: no such file{' or folder' if folders else ''} '{value}'")
     return problems
 
 
