@@ -45,7 +45,12 @@ from litft.data.batches import (
     fill_micro_batches,
     largest_batches,
 )
-from litft.data.records import SUPPORTED_SUFFIXES, data_format, read_records, split_records
+from litft.data.records import (
+    SUPPORTED_SUFFIXES,
+    data_format,
+    read_records,
+    split_records,
+)
 from litft.data.sampler import FIT_WINDOW, EpochBatchSampler, fit_steps
 from litft.data.tokenize import (
     IGNORE_INDEX,

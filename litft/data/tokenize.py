@@ -9,7 +9,6 @@ list of 50k Python lists would be copied page by page as the workers touch its r
 from __future__ import annotations
 
 import dataclasses
-
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
