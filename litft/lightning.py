@@ -326,7 +326,8 @@ class RunFiles(L.Callback):
             from litft.files import make_dir
 
             make_dir(self.out_dir, "the out_dir")
-            self.writer = metrics.MetricsWriter(self.out_dir, self.recipe.logging.tensorboard)
+            self.writer = metrics.MetricsWriter(self.out_dir, self.recipe.logging.tensorboard,
+                                                metrics.wandb_settings(self.recipe))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if pl_module._micro == 0:

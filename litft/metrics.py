@@ -299,10 +299,13 @@ class MetricsWriter:
     (close() has nothing left to do) and cuts metrics.jsonl back to its last whole row, so a resumed run or a
     report reads whole rows only."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool, wandb: dict | None = None) -> None:
+        """``wandb``: wandb.init's arguments (project, mode, config, ...) to log each row to Weights & Biases too."""
         self.path = out_dir / "metrics.jsonl"
         self.tensorboard_dir = out_dir / "tensorboard"
-        self._file = self._tb = None
+        self._file = self._tb = self._wandb = None
+        if wandb is not None:
+            self._wandb = start_wandb(out_dir, wandb)
         with writing("the metrics log", self.path):
             self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
@@ -322,6 +325,8 @@ class MetricsWriter:
             with contextlib.suppress(OSError):
                 os.truncate(self.path, whole)
             raise
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
         if self._tb is not None:
             with self._writing_tensorboard():
                 step = row["step"]
@@ -330,8 +335,10 @@ class MetricsWriter:
                         self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
-        file, tb = self._file, self._tb
-        self._file = self._tb = None
+        file, tb, run = self._file, self._tb, self._wandb
+        self._file = self._tb = self._wandb = None
+        if run is not None:
+            run.finish()
         try:
             if file is not None:
                 with writing("the metrics log", self.path):
@@ -359,6 +366,26 @@ class MetricsWriter:
                 with contextlib.suppress(Exception):
                     handle.close()
         self._file = self._tb = None
+
+
+def start_wandb(out_dir: Path, settings: dict):
+    """A Weights & Biases run writing under out_dir/wandb; ConfigError when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        from litft.errors import ConfigError
+
+        raise ConfigError("logging.wandb: needs the wandb package (pip install wandb), or unset it") from None
+    return wandb.init(dir=str(out_dir), name=out_dir.name, **settings)
+
+
+def wandb_settings(recipe) -> dict | None:
+    """wandb.init's arguments for a recipe's logging.wandb (None: off): the project, the mode and the recipe."""
+    if not recipe.logging.wandb:
+        return None
+    from litft.recipe import recipe_to_dict
+
+    return {"project": recipe.logging.wandb, "mode": recipe.logging.wandb_mode, "config": recipe_to_dict(recipe)}
 
 
 def _json_number(value: Any) -> Any:

@@ -123,3 +123,20 @@ def test_a_folder_without_a_model_and_an_adapter_without_its_base_are_refused(tm
                                      logging={"progress": "none", "tensorboard": False}))
     assert main(["generate", str(out), "--prompt", "hi"]) == 6
     assert "base weights are not on disk" in capsys.readouterr().err
+
+
+def test_weights_and_biases_logs_each_row_offline(tmp_path, monkeypatch):
+    """logging.wandb with wandb_mode offline: a W&B run under out_dir/wandb (no account, no network) holding the
+    recipe as its config and the logged metrics."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    run = litft.finetune(litft.load_recipe(
+        "demo", out_dir=str(out), train={"max_steps": 3}, eval={"interval": 0, "initial": False, "final": False},
+        logging={"progress": "none", "tensorboard": False, "wandb": "litft-test", "wandb_mode": "offline",
+                 "interval": 1}))
+    assert run.status == "ok"
+    [log] = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    content = log.read_bytes()
+    assert b'"wandb_mode":"offline"' in content  # the recipe, as the run's config
+    for key in (b"loss", b"tokens_per_sec", b"lr"):
+        assert key in content

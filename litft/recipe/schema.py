@@ -238,6 +238,13 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files to out_dir/tensorboard."""
 
+    wandb: Optional[str] = None
+    """A Weights & Biases project: each metrics row is logged there too, the recipe as the run's config (needs
+    `pip install wandb`). Unset: no W&B."""
+
+    wandb_mode: Literal["online", "offline"] = "online"
+    """'offline' writes the W&B run under out_dir/wandb only (`wandb sync` uploads it later): no account or network."""
+
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     """Live progress: a rich bar on a terminal, plain log lines otherwise ('auto'), or forced."""
 

@@ -245,7 +245,8 @@ def train(run: Run, checkpoint: dict | None, worst_case) -> RunResult:
                  + ("; each step's loss read a step late, a non-finite step's update skipped on the device"
                     if plan.step_scales else "; each step's loss read before its update") + ")")
     progress = Progress(recipe.logging.progress, run.total_steps, enabled=is_main)
-    writer = metrics.MetricsWriter(run.out_dir, recipe.logging.tensorboard) if is_main else None
+    writer = (metrics.MetricsWriter(run.out_dir, recipe.logging.tensorboard, metrics.wandb_settings(recipe))
+              if is_main else None)
     reducer = None
     if plan.reduces_gradients:
         from litft.train.reduce import GradientReducer
