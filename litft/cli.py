@@ -35,7 +35,7 @@ commands:
   generate OUT_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
   generate OUT_DIR --prompts FILE.jsonl --output FILE.jsonl
                                               answers from a run's model, with time to first token and tok/s
-  chat OUT_DIR                                a terminal chat with a run's model
+  chat OUT_DIR [--ui [--port 7860]]           a terminal chat with a run's model, or a web chat (Gradio)
   evaluate OUT_DIR [--data FILE] [--base] [--samples 20]
                                               perplexity, BLEU and ROUGE-L (and the base model's), into eval.json
   export OUT_DIR --format hf|litgpt --out DIR the model (adapters merged) for transformers, or as a LitGPT folder
@@ -526,12 +526,23 @@ def cmd_chat(args: list[str]) -> int:
 
     if "-h" in args or "--help" in args:
         print("litft chat OUT_DIR|CHECKPOINT [--max-new-tokens 256] [--temperature 0.7] [--top-k K] [--top-p P]"
-              " [--device cpu|cuda]\n\nEach line typed is a prompt; the answer streams back. An empty line or"
-              " Ctrl-D ends.")
+              " [--device cpu|cuda]\nlitft chat OUT_DIR --ui [--host 127.0.0.1] [--port 7860]\n\nEach line typed is"
+              " a prompt; the answer streams back. An empty line or Ctrl-D ends. --ui serves a web chat (Gradio)"
+              " with the generation settings as sliders.")
         return 0
     device = _take_option(args, "--device")
+    ui = _take_flag(args, "--ui")
+    host = _take_option(args, "--host") or "127.0.0.1"
+    port = _take_option(args, "--port") or "7860"
+    if not port.isdigit():
+        raise ConfigError(f"--port: expected a port number, got '{port}'")
     settings = {"max_new_tokens": 256, "temperature": 0.7, **_generation_settings(args)}
-    use.chat(use.load_model(_model_source(args, "chat"), device=device), **settings)
+    loaded = use.load_model(_model_source(args, "chat"), device=device)
+    if ui:
+        print(f"litft chat: serving {loaded.folder} at http://{host}:{port} (Ctrl-C stops)")
+        use.chat_ui(loaded, host=host, port=int(port))
+        return 0
+    use.chat(loaded, **settings)
     return 0
 
 

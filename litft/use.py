@@ -298,6 +298,37 @@ def chat(loaded: LoadedModel, read=input, write=print, **settings) -> None:
         write(f"\n[{count} tokens, {time.perf_counter() - start:.2f} s]")
 
 
+def chat_ui(loaded: LoadedModel, host: str = "127.0.0.1", port: int = 7860, block: bool = True):
+    """A web chat (Gradio's ChatInterface) over the model, served at http://HOST:PORT: answers stream as they are
+    decoded; max new tokens, temperature, top-k and top-p are sliders. Its HTTP API is Gradio's (`/chat`, for
+    gradio_client). ``block``: serve until interrupted; else return the running app (``.close()`` stops it).
+    Needs the ui extra: pip install 'litft[ui]' (Gradio 5: Gradio 6 needs a huggingface-hub that litgpt refuses)."""
+    try:
+        import gradio as gr
+    except ImportError:
+        raise ConfigError("chat --ui: needs Gradio: pip install 'litft[ui]'") from None
+
+    def respond(message, history, max_new_tokens, temperature, top_k, top_p):
+        text = ""
+        for piece in stream(loaded, message, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                            top_k=int(top_k) or None, top_p=float(top_p)):
+            text += piece
+            yield text
+
+    app = gr.ChatInterface(
+        respond, type="messages", title="litft chat", description=f"{loaded.folder} ({loaded.weights}, {loaded.device})",
+        additional_inputs=[
+            gr.Slider(1, loaded.config.block_size, value=256, step=1, label="max new tokens"),
+            gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature (0: greedy)"),
+            gr.Slider(0, 200, value=0, step=1, label="top-k (0: off)"),
+            gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="top-p"),
+        ],
+    )
+    app.queue(default_concurrency_limit=1)  # one model, one KV cache: answers one at a time
+    app.launch(server_name=host, server_port=port, prevent_thread_lock=not block, quiet=not block)
+    return app
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------------------------------------------------

@@ -140,3 +140,74 @@ def test_weights_and_biases_logs_each_row_offline(tmp_path, monkeypatch):
     assert b'"wandb_mode":"offline"' in content  # the recipe, as the run's config
     for key in (b"loss", b"tokens_per_sec", b"lr"):
         assert key in content
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def web_chat(demo_run):
+    """`litft chat OUT_DIR --ui` as it serves (Gradio), on a free local port, for the module's tests."""
+    from litft.use import chat_ui, load_model
+
+    port = _free_port()
+    app = chat_ui(load_model(demo_run), port=port, block=False)
+    yield f"http://127.0.0.1:{port}/"
+    app.close()
+
+
+def test_the_web_chat_answers_over_http(web_chat, demo_run):
+    """Through Gradio's own client, at temperature 0: the answer litft generate gives."""
+    from gradio_client import Client
+
+    from litft.use import generate, load_model
+
+    answer = Client(web_chat, verbose=False).predict("Name three primary colors.", 16, 0.0, 0, 1.0, api_name="/chat")
+    assert answer == generate(load_model(demo_run), "Name three primary colors.", max_new_tokens=16).text
+
+
+def test_the_web_chat_answers_in_a_browser(web_chat, tmp_path):
+    """Headless Chromium (Debian's chromium and chromium-driver; .ci/run installs them) driven by Selenium: a prompt
+    typed and sent, an answer shown, a screenshot kept."""
+    import os
+    import shutil
+
+    driver_path, browser = shutil.which("chromedriver"), shutil.which("chromium")
+    if not (driver_path and browser):
+        if os.environ.get("LITFT_REQUIRE_BROWSER"):
+            pytest.fail("LITFT_REQUIRE_BROWSER is set and chromium or chromedriver is missing")
+        pytest.skip("needs chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
+        options.add_argument(argument)
+    options.binary_location = browser
+    driver = webdriver.Chrome(options=options, service=Service(driver_path))
+    try:
+        driver.get(web_chat)
+        box = WebDriverWait(driver, 120).until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea"))
+        box.send_keys("Name three primary colors.")
+        box.send_keys(Keys.ENTER)
+
+        def answer(d):
+            bots = d.find_elements(By.CSS_SELECTOR, '[data-testid="bot"]')
+            return bots[-1].text.strip() if bots else ""
+
+        shown = WebDriverWait(driver, 120).until(answer)
+        asked = [bubble.text for bubble in driver.find_elements(By.CSS_SELECTOR, '[data-testid="user"]')]
+        screenshot = tmp_path / "web-chat.png"
+        driver.save_screenshot(str(screenshot))
+    finally:
+        driver.quit()
+    assert asked and "Name three primary colors." in asked[-1]
+    assert shown and screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
