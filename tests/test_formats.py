@@ -85,3 +85,25 @@ def test_each_format_trains_the_demo_end_to_end(tmp_path, kind, capsys):
     assert result["steps"] == 6 and result["losses"]["val_final"] < result["losses"]["val_initial"]
     if kind == "text":
         assert result["data"]["train"]["loss_tokens"] == result["data"]["train"]["tokens"]  # every token learns
+
+
+def test_a_hub_data_set_by_name_is_fetched_once_through_datasets(tmp_path, monkeypatch, capsys):
+    """data.path hf:REPO goes through datasets.load_dataset (here a local folder it loads as it would a hub
+    repository), its rows kept in litft's cache and read in data.format auto (OpenOrca's keys)."""
+    monkeypatch.setenv("LITFT_CACHE", str(tmp_path / "cache"))
+    repo = tmp_path / "orca"
+    repo.mkdir()
+    _write(repo / "train.jsonl", [{"system_prompt": "Be careful.", "question": r["instruction"],
+                                   "response": r["output"]} for r in DEMO])
+    args = ["finetune", "--config", "demo", "--data.path", f"hf:{repo}", "--train.max_steps", "2",
+            "--eval.interval", "0", "--eval.initial", "false", "--logging.progress", "none"]
+    assert main([*args, "--out_dir", str(tmp_path / "one")]) == 0
+    [cached] = list((tmp_path / "cache" / "data").glob("hf--*--train.jsonl"))
+    assert len(cached.read_text().splitlines()) == len(DEMO)
+    stamp = cached.stat().st_mtime_ns
+    assert main([*args, "--out_dir", str(tmp_path / "two")]) == 0
+    assert cached.stat().st_mtime_ns == stamp  # the second run reads the cache
+    capsys.readouterr()
+    assert main([*args[:3], "--data.path", f"hf:{tmp_path / 'missing'}", *args[5:], "--out_dir",
+                 str(tmp_path / "three")]) == 5
+    assert "cannot fetch" in capsys.readouterr().err

@@ -90,8 +90,9 @@ class DataConfig:
     """The instruction data set and how it becomes token sequences."""
 
     path: str = "litft:demo/instructions.jsonl"
-    """Alpaca-format data: a .json file holding a list of records, a .jsonl file with one record per line, or a data
-    set by name ('alpaca2k', the lab's: fetched once from the Hugging Face hub with `datasets`, then cached)."""
+    """The data: a .json file holding a list of records, a .jsonl file with one record per line, a folder of
+    .txt/.md documents (data.format), or a data set by name, fetched once with `datasets` and cached: 'alpaca2k'
+    (the lab's) or 'hf:REPO[:SPLIT]' (any Hugging Face hub data set, e.g. 'hf:Open-Orca/OpenOrca')."""
 
     format: Literal["auto", "alpaca", "openorca", "chat", "text"] = "auto"
     """How `path` holds its examples. 'alpaca': records with instruction, input and output (data.fields names the
