@@ -69,11 +69,11 @@ RAW = [
     {"instruction": "No input key here.", "output": "Fine."},
     {"instruction": "Null input.", "input": None, "output": "Also fine.", "extra": [1, 2]},
 ]
-EXPECTED = [
-    {"instruction": "Name a color.", "input": "", "output": "Red."},
-    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
-    {"instruction": "No input key here.", "input": "", "output": "Fine."},
-    {"instruction": "Null input.", "input": "", "output": "Also fine."},
+EXPECTED = [  # every record has a system prompt, "" without one (data.fields.system)
+    {"instruction": "Name a color.", "input": "", "output": "Red.", "system": ""},
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5", "system": ""},
+    {"instruction": "No input key here.", "input": "", "output": "Fine.", "system": ""},
+    {"instruction": "Null input.", "input": "", "output": "Also fine.", "system": ""},
 ]
 
 
@@ -93,12 +93,14 @@ def test_field_names_come_from_data_fields(tmp_path):
     fields = DataFields(instruction="prompt", input="context", output="response")
     record = {"prompt": "Say hi.", "context": "politely", "response": "Hello!", "instruction": "ignored"}
     path = write(tmp_path / "d.json", json.dumps([record]))
-    assert read_records(path, fields) == [{"instruction": "Say hi.", "input": "politely", "output": "Hello!"}]
+    assert read_records(path, fields) == [{"instruction": "Say hi.", "input": "politely", "output": "Hello!",
+                                           "system": ""}]
 
 
 def test_numbers_become_strings(tmp_path):
     path = write(tmp_path / "d.jsonl", jsonl({"instruction": "What is 6 x 7?", "input": 3, "output": 42}))
-    assert read_records(path, FIELDS) == [{"instruction": "What is 6 x 7?", "input": "3", "output": "42"}]
+    assert read_records(path, FIELDS) == [{"instruction": "What is 6 x 7?", "input": "3", "output": "42",
+                                           "system": ""}]
 
 
 def test_unicode_line_separator_inside_a_string_does_not_shift_line_numbers(tmp_path):

@@ -13,7 +13,8 @@ from litft.data.tokenize import prompt_text, resolve_prompt_style
 from litft.errors import DataError
 from litft.recipe import DataFields
 
-DEMO = [json.loads(line) for line in open(litft.recipe.resolve_path("litft:demo/instructions.jsonl"))][:240]
+DEMO = [json.loads(line) for line in
+        litft.recipe.resolve_path("litft:demo/instructions.jsonl").read_text().splitlines()][:240]
 
 
 def _write(path, rows):
