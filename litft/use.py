@@ -61,7 +61,7 @@ class Generation:
     def timing_line(self) -> str:
         speed = f"{self.tokens_per_sec:,.1f} tok/s" if self.tokens_per_sec else "n/a tok/s"
         memory = f", peak {self.peak_memory_gib:.2f} GiB" if self.peak_memory_gib is not None else ""
-        return (f"{self.new_tokens} tokens in {self.seconds:.2f} s: first token after"
+        return (f"{self.new_tokens} token{'s' if self.new_tokens != 1 else ''} in {self.seconds:.2f} s: first token after"
                 f" {1000 * self.time_to_first_token_s:.0f} ms, then {speed}{memory}")
 
 
