@@ -59,6 +59,13 @@ def test_the_speed_choices_lab_runs_on_the_cpu(tmp_path, monkeypatch):
     assert charts and all(chart.stat().st_size > 0 for chart in charts)
 
 
+def _one_step(monkeypatch, tmp_path) -> None:
+    """The lab notebooks' plans in CPU mode, one step per run: each run is its own process, whose start-up is most
+    of its time on the CPU."""
+    monkeypatch.setenv("LAB_STEPS", "1")
+    monkeypatch.setenv("LAB_OUT", str(tmp_path / "lab"))
+
+
 def _outcomes(out: Path) -> dict[str, str]:
     return {name: o["outcome"] for name, o in json.loads((out / "outcomes.json").read_text()).items()}
 
@@ -67,7 +74,7 @@ def test_the_part1_lab_runs_its_plan_on_the_cpu(tmp_path, monkeypatch):
     """Part 1 in CPU mode: the ledger's predictions for the lab's GPU runs (the baseline and 13B AdamW do not fit
     80 GB), every step of the plan on the demo model, the lab's figures beside them, and one step again at litft's
     speed with the same loss."""
-    monkeypatch.setenv("LAB_OUT", str(tmp_path / "lab"))
+    _one_step(monkeypatch, tmp_path)
     out = _run(NOTEBOOKS / "lab-part1.ipynb", tmp_path)
     assert "01-tiny-llama-full-32-true-b32                 93.23 GiB  DOES NOT FIT" in out
     assert "08-open-llama-13b-full-adamw" in out and "sweep exit code: 0" in out
@@ -81,7 +88,7 @@ def test_the_part1_lab_runs_its_plan_on_the_cpu(tmp_path, monkeypatch):
 
 
 def test_the_part2_lab_runs_both_tracks_and_both_engines_on_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("LAB_OUT", str(tmp_path / "lab"))
+    _one_step(monkeypatch, tmp_path)
     out = _run(NOTEBOOKS / "lab-part2.ipynb", tmp_path)
     assert "sweep exit codes: [0, 0]" in out and "per rank:" in out
     a100 = _runs(tmp_path / "lab" / "part2" / "lab-part2-a100")
@@ -93,7 +100,7 @@ def test_the_part2_lab_runs_both_tracks_and_both_engines_on_the_cpu(tmp_path, mo
 
 @pytest.mark.parametrize(("notebook", "runs"), [("lab-precision", 4), ("lab-2x2x2", 8)])
 def test_the_precision_and_2x2x2_labs_run_on_the_cpu(tmp_path, monkeypatch, notebook, runs):
-    monkeypatch.setenv("LAB_OUT", str(tmp_path / "lab"))
+    _one_step(monkeypatch, tmp_path)
     out = _run(NOTEBOOKS / f"{notebook}.ipynb", tmp_path)
     assert "sweep exit code: 0" in out
     results = _runs(tmp_path / "lab")
