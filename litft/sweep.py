@@ -29,7 +29,8 @@ into OUT/outcomes.json as it ends and into the table's Outcomes section. Started
 the runs that have an outcome, so a sweep that was stopped midway goes on where it stopped (--rerun runs all again).
 
 `--cpu-demo` runs a plan's runs on the CPU with the demo model and data, a few steps each: the same runs, batch
-arithmetic, methods and engines, for a machine without a GPU (a lab's notebooks in CPU mode, CI). What a CPU cannot
+arithmetic, methods and engines, for a machine without a GPU (a lab's notebooks in CPU mode, CI); one-device runs
+are made in the sweep's own process (their start-up would be most of their time). What a CPU cannot
 run is replaced and said per run: float16 by 32-true, QLoRA by LoRA, FSDP and DeepSpeed by DDP, more than 2
 devices by 2 (gloo processes), and no memory cap.
 
@@ -272,11 +273,16 @@ def run_plan(path: str | Path, out: str | Path | None = None, overrides: list[st
         runs = [run for run in runs if run[0] in only]
     runs = [(name, recipe, args + list(overrides or [])) for name, recipe, args in runs]
     out = Path(out or options["out"] or f"out/sweep-{find_plan(path).stem}")
+    in_process: set[str] = set()
     if cpu_demo:
         check(runs, str(path))
         runs = cpu_demo_runs(runs, out, steps, say)
+        from litft.recipe import load_recipe
+
+        in_process = {name for name, config, args in runs
+                      if load_recipe(config, args=args, validate_paths=False).world_size == 1}
     return run_planned(runs, out, timeout=timeout if timeout is not None else options["timeout"], say=say,
-                       dry_run=dry_run, source=str(path), rerun=rerun)
+                       dry_run=dry_run, source=str(path), rerun=rerun, in_process=in_process)
 
 
 def run_sweep(
@@ -301,9 +307,12 @@ def run_sweep(
 
 def run_planned(runs: list[tuple[str, str, list[str]]], out: str | Path, timeout: float | None = None, say=print,
                 dry_run: bool = False, groups: dict[str, list[str]] | None = None, source: str = "sweep",
-                rerun: bool = False) -> int:
+                rerun: bool = False, in_process: set[str] | frozenset[str] = frozenset()) -> int:
     """Run each (name, recipe, overrides) in its own process into OUT/runs/NAME, recording its outcome; runs with an
-    outcome in OUT/outcomes.json already are skipped unless ``rerun``. Returns the sweep's exit code."""
+    outcome in OUT/outcomes.json already are skipped unless ``rerun``. Returns the sweep's exit code.
+
+    ``in_process``: runs to make in this process instead (--cpu-demo's one-device runs: a process's start-up, ~5 s of
+    imports, is most of a few-step demo run; such a run cannot run out of GPU memory or be timed out)."""
     from litft import report
 
     if any(token in ("--out_dir", "--resume") or token.startswith(("--out_dir=", "--resume="))
@@ -339,7 +348,10 @@ def run_planned(runs: list[tuple[str, str, list[str]]], out: str | Path, timeout
             log = open(log_path, "wb", buffering=0)  # unbuffered: closing it writes nothing that could fail
         with log:  # the run writes into it itself
             try:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                if name in in_process:
+                    code = _run_here(command[3:], log)
+                else:
+                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 code = None
                 with writing("the run's log", log_path, "--out"):
@@ -365,6 +377,28 @@ def run_planned(runs: list[tuple[str, str, list[str]]], out: str | Path, timeout
         say(f"\n{len(failed)} run(s) failed (not out of memory): {', '.join(failed)}; see their log.txt")
         return 1
     return 0
+
+
+def _run_here(args: list[str], log) -> int:
+    """`litft ARGS` in this process, its output into the binary ``log``; returns its exit code (1, with the
+    traceback in the log, for an error that is not litft's)."""
+    import contextlib
+    import io
+    import traceback
+
+    from litft.cli import main
+
+    text = io.TextIOWrapper(log, encoding="utf-8", write_through=True)
+    try:
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            try:
+                return main(args)
+            except Exception:  # noqa: BLE001 - the run's own failure is its outcome, not the sweep's
+                traceback.print_exc(file=text)
+                return 1
+    finally:
+        text.flush()
+        text.detach()  # the log stays open for the caller
 
 
 def last_message(log_path: Path) -> str:
