@@ -421,27 +421,37 @@ def _prompt_style_class(recipe: Recipe) -> str:
     return f"{cls.__module__}.{cls.__name__}"
 
 
-def merge_lora_checkpoint(base_checkpoint: Path, adapter_path: Path, config, out_path: Path) -> None:
-    """Write base + (alpha/r) B A into plain weights: a checkpoint any LitGPT tool loads without LoRA code.
+def merged_lora_model(base_checkpoint: Path, adapter_path: Path, config) -> torch.nn.Module:
+    """LitGPT's LoRA GPT with the base weights and the adapter loaded (memory-mapped, on the CPU) and the adapter
+    merged into them (base + (alpha/r) B A), in the base weights' dtype."""
+    from litgpt.lora import GPT, merge_lora_weights
 
-    Runs on the CPU in the base weights' dtype, one model in memory (memory-mapped base)."""
-    from litgpt.lora import GPT, lora_filter, merge_lora_weights
+    from litft.model import read_state
 
     with torch.device("meta"):
         model = GPT(config)
-    state = torch.load(base_checkpoint, mmap=True, weights_only=True, map_location="cpu")
-    adapter = torch.load(adapter_path, mmap=True, weights_only=True, map_location="cpu")
-    state = dict(state.get("model", state))
-    state.update(adapter)
-    model.load_state_dict(state, strict=False, assign=True)
+    state = dict(read_state(base_checkpoint))
+    state.update(read_state(adapter_path))
+    missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys if "lora_" not in k]
+    if missing:
+        raise CheckpointError(f"'{base_checkpoint}' lacks {len(missing)} weights of the model (e.g. {missing[0]})")
     dtype = next(iter(state.values())).dtype
     for module in model.modules():  # the adapters compute in the base dtype, as they are added to it
         for name, p in list(module.named_parameters(recurse=False)):
             if p.dtype != dtype:
                 setattr(module, name, torch.nn.Parameter(p.to(dtype), requires_grad=False))
     merge_lora_weights(model)
+    return model
+
+
+def merge_lora_checkpoint(base_checkpoint: Path, adapter_path: Path, config, out_path: Path) -> None:
+    """Write base + (alpha/r) B A into plain weights: a checkpoint any LitGPT tool loads without LoRA code.
+
+    Runs on the CPU in the base weights' dtype, one model in memory (memory-mapped base)."""
+    from litgpt.lora import lora_filter
+
+    model = merged_lora_model(base_checkpoint, adapter_path, config)
     merged = {k.replace("linear.", ""): v for k, v in model.state_dict().items() if not lora_filter(k, v)}
     merged = {k: v for k, v in merged.items() if k not in ("cos", "sin")}
     make_dir(out_path.parent, "the merged weights' folder")
     torch_save_atomic(merged, out_path, "the merged weights")
-

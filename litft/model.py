@@ -147,7 +147,7 @@ def load_into_fsdp(fabric, model, path: Path) -> None:
     initialisation FSDP gave them (A random, B zero)."""
     from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 
-    state = _read_state(path)
+    state = read_state(path)
     root = getattr(model, "_forward_module", model)  # the FSDP root inside Fabric's wrapper (.module is the inner one)
     _load_raw_module_state({f"gpt.{k}": v for k, v in state.items()}, module=root, world_size=fabric.world_size,
                            strict=False)
@@ -158,7 +158,7 @@ def load_into_zero3(fabric, model, path: Path) -> None:
     copies the checkpoint's values in, and DeepSpeed partitions them again (one module's weights whole at a time)."""
     import deepspeed
 
-    state = _read_state(path) if fabric.global_rank == 0 else {}
+    state = read_state(path) if fabric.global_rank == 0 else {}
     for name, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         if not params:
@@ -172,7 +172,8 @@ def load_into_zero3(fabric, model, path: Path) -> None:
                             p.copy_(state[key])
 
 
-def _read_state(path: Path) -> dict:
+def read_state(path: Path) -> dict:
+    """A LitGPT state dict, memory-mapped on the CPU; CheckpointError naming the file when it cannot be read."""
     try:
         state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except Exception as err:  # a truncated or foreign file: name it and the reason
@@ -207,7 +208,7 @@ def init_adapters(model: torch.nn.Module) -> None:
 
 def load_weights(model: torch.nn.Module, path: Path, lora: bool) -> None:
     """Load a LitGPT state dict strictly, except that a LoRA model's adapters are not in a base checkpoint."""
-    state = _read_state(path)
+    state = read_state(path)
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # torch lists every weight whose shape differs: the config describes another model

@@ -114,20 +114,14 @@ def load_model(source: str | Path, device: torch.device | str | None = None,
     return LoadedModel(model, tokenizer, style, folder, weights, device)
 
 
-def _state(path: Path) -> dict:
-    try:
-        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception as err:  # noqa: BLE001 - a truncated or foreign file raises many types: name it and the reason
-        raise CheckpointError(f"cannot read '{path}': {type(err).__name__}: {err}") from None
-    return state.get("model", state)
-
-
 def _full_model(config, path: Path) -> torch.nn.Module:
     from litgpt.model import GPT
 
+    from litft.model import read_state
+
     with torch.device("meta"):
         model = GPT(config)
-    model.load_state_dict(_state(path), strict=True, assign=True)
+    model.load_state_dict(read_state(path), strict=True, assign=True)
     return _with_rope_cache(model)
 
 
@@ -140,7 +134,9 @@ def _with_rope_cache(model: torch.nn.Module) -> torch.nn.Module:
 
 def _adapted_model(folder: Path, adapter: Path) -> torch.nn.Module:
     """The base checkpoint named in hyperparameters.yaml with the adapter merged into its weights."""
-    from litgpt.lora import GPT, Config, merge_lora_weights
+    from litgpt.lora import Config
+
+    from litft.checkpoint import merged_lora_model
 
     hparams_path = folder / "hyperparameters.yaml"
     hparams = yaml.safe_load(hparams_path.read_text()) if hparams_path.is_file() else {}
@@ -152,21 +148,7 @@ def _adapted_model(folder: Path, adapter: Path) -> torch.nn.Module:
             " an adapter only works on the weights it was trained on")
     lora = {key: value for key, value in hparams.items() if key.startswith("lora_")}
     config = Config.from_file(folder / "model_config.yaml", **lora)
-    with torch.device("meta"):
-        model = GPT(config)
-    state = dict(_state(Path(base) / "lit_model.pth"))
-    state.update(_state(adapter))
-    missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
-               if "lora_" not in k]
-    if missing:
-        raise CheckpointError(f"'{base}' lacks {len(missing)} weights of the model (e.g. {missing[0]})")
-    dtype = next(iter(state.values())).dtype
-    for module in model.modules():  # the adapters in the base's dtype, as they are added to it
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.dtype != dtype:
-                setattr(module, name, torch.nn.Parameter(p.to(dtype), requires_grad=False))
-    merge_lora_weights(model)
-    return _with_rope_cache(model)
+    return _with_rope_cache(merged_lora_model(Path(base) / "lit_model.pth", adapter, config))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
